@@ -1,0 +1,849 @@
+"""Train a pixel-space diffusion model (Ho et al. 2020, "Denoising Diffusion Probabilistic Models").
+
+    python ddpm.py                                  # the paper's CIFAR-10 run (preset 'ho')
+    python ddpm.py --preset demo                    # a small model on built-in data, minutes on a CPU
+    python ddpm.py --preset seed --batch_size=1024  # any field of either config, flat
+    python ddpm.py --out_dir=runs/x --resume        # continue a run from its ckpt.pt
+    python ddpm.py --help                           # every field with its default and meaning
+
+Read top to bottom: the two configs and their presets, the diffusion maths (Diffusion),
+FLOP counting and MFU, the train step shared with benchmark.py, the training loop, the CLI.
+The network itself is in unet.py and knows nothing of the noise schedule; data is in data.py.
+
+Measured: `make demo` (preset demo, 16x16 shapes, fp32, 2 CPU cores) -- see README.md.
+"""
+import copy
+import dataclasses
+import inspect
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+import typing
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from data import DataError, Loader, load_dataset
+from unet import UNet
+
+# -----------------------------------------------------------------------------
+# Configuration: every hyperparameter is spelled once, here. Presets override fields;
+# the CLI and --help are generated from these fields and their comments.
+
+
+@dataclass
+class ModelConfig:  # the network and the diffusion process
+    image_size: int = 32                                # training resolution in pixels (square)
+    channels: int = 3                                   # image channels
+    patch_size: int = 1                                 # P: fold PxP patches into channels (Luhman & Luhman 2022); 1 = off
+    base_channels: int = 128                            # width of the first UNet level
+    channel_mult: tuple[int, ...] = (1, 2, 2, 2)        # width multiplier per level; one level per entry
+    num_res_blocks: int = 2                             # residual blocks per level on the way down
+    attn_resolutions: tuple[int, ...] = (16,)           # resolutions of the patched grid that get self-attention
+    attn_heads: int = 1                                 # attention heads
+    attn_head_dim: int = 0                              # channels per head; 0 = the block's width / attn_heads
+    dropout: float = 0.1                                # dropout in the residual blocks
+    num_classes: int = 0                                # class-conditional with this many classes; 0 = unconditional
+    p_uncond: float = 0.1                               # probability of dropping the label in training (for guidance)
+    prediction: Literal["eps", "x", "v"] = "eps"        # network output: noise eps, clean image x, or v = sqrt(ab)eps - sqrt(1-ab)x
+    schedule: Literal["linear", "cosine"] = "linear"    # beta_t schedule: Ho et al. linear, or Nichol & Dhariwal cosine
+    timesteps: int = 1000                               # T, number of diffusion steps
+    beta_start: float = 1e-4                            # beta_1 of the linear schedule
+    beta_end: float = 0.02                              # beta_T of the linear schedule
+    loss_weighting: Literal["none", "sqrt_snr", "min_snr"] = "none"  # none = MSE on the target; sqrt_snr / min_snr: see Diffusion
+    min_snr_gamma: float = 5.0                          # gamma of the min_snr weighting (Hang et al. 2023)
+    reverse_variance: Literal["large", "small"] = "large"  # sigma_t^2 of ancestral sampling: large = beta_t, small = posterior beta~_t
+
+
+@dataclass
+class TrainerConfig:  # the run
+    dataset: Literal["cifar10", "folder", "shapes"] = "cifar10"  # training data; 'shapes' is built in and offline
+    data_dir: str = "data"                              # download folder ('cifar10') or the image folder ('folder')
+    shapes_count: int = 50_000                          # images in the built-in 'shapes' dataset
+    batch_size: int = 128                               # global batch size, images per optimizer step
+    max_steps: int = 800_000                            # optimizer steps to train for
+    lr: float = 2e-4                                    # peak AdamW learning rate
+    warmup_steps: int = 5000                            # linear LR warm-up, in steps; 0 = none
+    lr_schedule: Literal["constant", "cosine"] = "constant"  # after warm-up: hold the LR, or cosine-decay it to 0 at max_steps
+    weight_decay: float = 0.0                           # AdamW decoupled weight decay
+    adam_beta1: float = 0.9                             # AdamW beta1
+    adam_beta2: float = 0.999                           # AdamW beta2
+    grad_clip: float = 1.0                              # max global gradient norm; 0 = no clipping
+    ema_decay: float = 0.9999                           # EMA of the weights, per step; 0 = the EMA is a copy of the model
+    ema_warmup: bool = True                             # ramp the EMA decay as min(ema_decay, (1+step)/(10+step))
+    hflip: bool = True                                  # random horizontal flips
+    precision: Literal["auto", "bf16", "tf32", "fp32"] = "auto"  # bf16 autocast / fp32 with TF32 / true fp32; auto = bf16 where the hardware has it
+    compile: bool = True                                # torch.compile the network
+    attention: Literal["sdpa", "math"] = "sdpa"         # attention kernel: F.scaled_dot_product_attention, or explicit softmax
+    out_dir: str = ""                                   # run folder; '' = runs/<preset>-<date>-<time>
+    resume: bool = False                                # continue from out_dir/ckpt.pt
+    log_every_steps: int = 100                          # steps between metrics.jsonl lines (each is a GPU->CPU sync)
+    sample_every_steps: int = 10_000                    # steps between EMA sample grids; 0 = only at the end
+    ckpt_every_steps: int = 5000                        # steps between checkpoints; 0 = only at the end
+    num_samples: int = 64                               # images per sample grid
+    sampler: Literal["ddpm", "ddim"] = "ddpm"           # sampler for the grids
+    sample_steps: int = 0                               # sampler steps for the grids; 0 = all T
+    seed: int = 0                                       # seeds the weights, the data order, the noise and the grids
+    device: str = "auto"                                # 'auto' = cuda if present, else cpu; or 'cpu', 'cuda', 'cuda:1', ...
+
+
+PRESETS = {
+    # Ho et al. 2020, CIFAR-10: 35.7M parameters, the defaults above
+    "ho": {},
+    # the reference efficiency repo's UNet: narrow, attention everywhere, big batches
+    "seed": dict(base_channels=32, channel_mult=(1, 2, 4, 8), num_res_blocks=2, attn_resolutions=(32, 16, 8, 4),
+                 attn_heads=4, attn_head_dim=32, dropout=0.0, batch_size=3072),
+    # small enough to learn the built-in shapes at 16x16 on 2 CPU cores in a few minutes
+    "demo": dict(dataset="shapes", image_size=16, base_channels=32, channel_mult=(1, 2, 2), num_res_blocks=1,
+                 attn_resolutions=(4,), dropout=0.0, batch_size=64, max_steps=1000, lr=1e-3, warmup_steps=100,
+                 ema_decay=0.999, compile=False, log_every_steps=50, sample_every_steps=500, ckpt_every_steps=500,
+                 sampler="ddim", sample_steps=100),
+}
+
+
+class ConfigError(Exception):
+    """An invalid config value or combination: reported to the user as one line."""
+
+
+def field_comments(cls):
+    """The trailing '# ...' comment of each dataclass field: the single source of --help."""
+    src = inspect.getsource(cls)
+    return dict(re.findall(r"^\s+(\w+):[^#\n]*#\s*(.*)$", src, flags=re.M))
+
+
+def parse_value(name, text, typ):
+    """Convert one CLI string to a field's type, or raise ConfigError naming the field."""
+    try:
+        if typing.get_origin(typ) is Literal:
+            if text not in typing.get_args(typ):
+                raise ValueError(f"choose one of {', '.join(typing.get_args(typ))}")
+            return text
+        if typ is bool:
+            if text.lower() not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+                raise ValueError("expected true or false")
+            return text.lower() in ("1", "true", "yes", "on")
+        if typing.get_origin(typ) is tuple:
+            return tuple(int(v) for v in text.split(",") if v.strip())
+        return typ(text)
+    except ValueError as e:
+        raise ConfigError(f"--{name}={text}: {e}") from None
+
+
+def validate(mc, tc):
+    """Catch impossible values and combinations before anything is built."""
+    def check(ok, msg):
+        if not ok:
+            raise ConfigError(msg)
+
+    for cfg in (mc, tc):  # Literal fields set from Python rather than the CLI
+        for f in dataclasses.fields(cfg):
+            typ = typing.get_type_hints(type(cfg))[f.name]
+            if typing.get_origin(typ) is Literal:
+                v = getattr(cfg, f.name)
+                check(v in typing.get_args(typ), f"{f.name}='{v}': choose one of {', '.join(typing.get_args(typ))}")
+    for name in ("image_size", "channels", "patch_size", "base_channels", "num_res_blocks", "attn_heads", "batch_size"):
+        check(getattr(mc if hasattr(mc, name) else tc, name) >= 1, f"{name} must be >= 1")
+    check(mc.timesteps >= 2, "timesteps must be >= 2")
+    check(len(mc.channel_mult) >= 1 and min(mc.channel_mult) >= 1, "channel_mult needs one or more positive entries")
+    levels = len(mc.channel_mult)
+    factor = mc.patch_size * 2 ** (levels - 1)
+    check(mc.image_size % factor == 0,
+          f"image_size {mc.image_size} is not divisible by patch_size x 2^(levels-1) = {mc.patch_size} x {2 ** (levels - 1)}")
+    grid = [mc.image_size // mc.patch_size // 2**i for i in range(levels)]
+    for r in mc.attn_resolutions:
+        check(r in grid, f"attn_resolutions: {r} never occurs; the patched grid has resolutions {grid}")
+    if mc.attn_head_dim == 0:
+        widths = [mc.base_channels * m for m in mc.channel_mult]
+        check(all(w % mc.attn_heads == 0 for w in widths), f"attn_heads {mc.attn_heads} does not divide the widths {widths}")
+    check(0 < mc.beta_start < mc.beta_end < 1, "need 0 < beta_start < beta_end < 1")
+    check(0 <= mc.dropout < 1 and 0 <= mc.p_uncond < 1, "dropout and p_uncond must lie in [0, 1)")
+    check(0 <= tc.ema_decay < 1, "ema_decay must lie in [0, 1)")
+    check(tc.max_steps >= 0 and tc.warmup_steps >= 0 and tc.grad_clip >= 0, "max_steps, warmup_steps, grad_clip must be >= 0")
+    check(tc.log_every_steps >= 1, "log_every_steps must be >= 1")
+    check(0 <= tc.sample_steps <= mc.timesteps, f"sample_steps must lie in [0, timesteps={mc.timesteps}]")
+    check(not tc.resume or tc.out_dir, "--resume needs --out_dir, the run folder to continue")
+
+
+def parse_args(argv):
+    """-> (ModelConfig, TrainerConfig, preset name). Flat: every field is --name=value."""
+    hints = {**typing.get_type_hints(ModelConfig), **typing.get_type_hints(TrainerConfig)}
+    args, preset = [], "ho"
+    it = iter(argv)
+    for a in it:
+        if a in ("-h", "--help"):
+            print_help()
+            sys.exit(0)
+        if not a.startswith("--"):
+            raise ConfigError(f"unexpected argument '{a}'; fields are given as --name=value")
+        name, eq, text = a[2:].partition("=")
+        if not eq and hints.get(name) is not bool:  # '--name value'; a bare '--flag' means true
+            text = next(it, None)
+            if text is None:
+                raise ConfigError(f"--{name} needs a value")
+        if name == "preset":
+            preset = text
+        else:
+            args.append((name, text if eq or hints.get(name) is not bool else "true"))
+    if preset not in PRESETS:
+        raise ConfigError(f"unknown preset '{preset}'; choose one of {', '.join(PRESETS)}")
+    overrides = dict(PRESETS[preset])
+    for name, text in args:
+        if name not in hints:
+            raise ConfigError(f"unknown field --{name} (see --help)")
+        overrides[name] = parse_value(name, text, hints[name])
+    mc = ModelConfig(**{k: v for k, v in overrides.items() if k in ModelConfig.__dataclass_fields__})
+    tc = TrainerConfig(**{k: v for k, v in overrides.items() if k in TrainerConfig.__dataclass_fields__})
+    validate(mc, tc)
+    return mc, tc, preset
+
+
+def print_help():
+    print(__doc__.split("\n\n")[1])
+    print(f"--preset=NAME  one of: {', '.join(PRESETS)} (default ho); later --fields override it\n")
+    for cls in (ModelConfig, TrainerConfig):
+        print(f"{cls.__name__}:")
+        comments = field_comments(cls)
+        for f in dataclasses.fields(cls):
+            default = f.default if not isinstance(f.default, tuple) else ",".join(map(str, f.default))
+            print(f"  --{f.name}={default!s:<14} {comments.get(f.name, '')}")
+        print()
+
+
+# -----------------------------------------------------------------------------
+# The diffusion process. Notation of Ho et al. 2020: t = 0..T-1 here is the paper's t = 1..T
+# (t = 0 the least noisy); alpha_bar[t] is the paper's ᾱ_t = prod_{s<=t} (1 - β_s).
+
+
+def beta_schedule(cfg):
+    """β_t for t = 0..T-1, in float64."""
+    T = cfg.timesteps
+    if cfg.schedule == "linear":  # Ho et al. §4: linear from β_1 = 1e-4 to β_T = 0.02
+        return torch.linspace(cfg.beta_start, cfg.beta_end, T, dtype=torch.float64)
+    # cosine, Nichol & Dhariwal 2021 eq. 17: ᾱ_t = f(t)/f(0), f(t) = cos(((t/T + s)/(1 + s)) π/2)², s = 0.008;
+    # β_t = 1 - ᾱ_t/ᾱ_{t-1}, clipped to 0.999 to avoid the singularity at t = T
+    s = 0.008
+    f = torch.cos((torch.arange(T + 1, dtype=torch.float64) / T + s) / (1 + s) * math.pi / 2) ** 2
+    return (1 - f[1:] / f[:-1]).clamp(max=0.999)
+
+
+def extract(buf, t, x):
+    """buf[t] for a batch of timesteps t: (B,), shaped (B, 1, 1, 1) in x's dtype to broadcast against x."""
+    return buf[t].to(x.dtype).view(-1, *([1] * (x.dim() - 1)))
+
+
+class Diffusion(torch.nn.Module):
+    """The forward process q, the training loss and the samplers, for any `model(z_t, t, y)`.
+
+    The model returns the configured target: ε (Ho et al.), x₀, or v = √ᾱ·ε − √(1−ᾱ)·x₀
+    (Salimans & Ho 2022). All three are converted exactly to (x̂₀, ε̂) by `predict_x0_eps`.
+    A Module only so that .to(device) moves the float64 schedule buffers.
+    """
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        betas = beta_schedule(cfg)
+        alpha_bar = torch.cumprod(1 - betas, dim=0)
+        snr = alpha_bar / (1 - alpha_bar)  # SNR(t) = ᾱ_t / (1 - ᾱ_t)
+        buffers = {
+            "betas": betas,                                    # β_t
+            "alpha_bar": alpha_bar,                            # ᾱ_t
+            "alpha_bar_prev": torch.cat([torch.ones(1, dtype=torch.float64), alpha_bar[:-1]]),  # ᾱ_{t-1}, ᾱ_0 = 1
+            "sqrt_alpha_bar": alpha_bar.sqrt(),                # √ᾱ_t
+            "sqrt_one_minus_alpha_bar": (1 - alpha_bar).sqrt(),  # √(1 - ᾱ_t)
+            "loss_weight": self._loss_weight(snr),             # w_t multiplying the per-sample MSE
+        }
+        for name, value in buffers.items():
+            self.register_buffer(name, value, persistent=False)
+
+    def _loss_weight(self, snr):
+        """Per-timestep weight on the MSE of the configured target.
+
+        The weightings are defined on the x₀-MSE, λ(t), and converted exactly to the target:
+        ‖ε̂−ε‖² = SNR·‖x̂₀−x₀‖² and ‖v̂−v‖² = (SNR+1)·‖x̂₀−x₀‖², so w_t = λ(t)/c(t) with
+        c = 1, SNR, SNR+1 for x, ε, v. Then
+          'none':     w_t = 1 (Ho et al.'s L_simple on whichever target);
+          'sqrt_snr': λ = γ_t = √SNR (Luhman & Luhman 2022 §3.2, their x-prediction loss);
+          'min_snr':  λ = min(SNR, γ), γ = min_snr_gamma (Hang et al. 2023 eq. 9).
+        """
+        cfg = self.cfg
+        if cfg.loss_weighting == "none":
+            return torch.ones_like(snr)
+        lam = snr.sqrt() if cfg.loss_weighting == "sqrt_snr" else snr.clamp(max=cfg.min_snr_gamma)
+        c = {"x": torch.ones_like(snr), "eps": snr, "v": snr + 1}[cfg.prediction]
+        return lam / c
+
+    def q_sample(self, x0, t, noise):
+        """z_t ~ q(x_t | x_0) = N(√ᾱ_t x_0, (1 - ᾱ_t) I)  (Ho et al. eq. 4)."""
+        return extract(self.sqrt_alpha_bar, t, x0) * x0 + extract(self.sqrt_one_minus_alpha_bar, t, x0) * noise
+
+    def target(self, x0, noise, t):
+        """What the network is trained to output at (x0, noise, t)."""
+        if self.cfg.prediction == "eps":
+            return noise
+        if self.cfg.prediction == "x":
+            return x0
+        return extract(self.sqrt_alpha_bar, t, x0) * noise - extract(self.sqrt_one_minus_alpha_bar, t, x0) * x0  # v
+
+    def predict_x0_eps(self, out, z, t, clip=True):
+        """Network output at (z_t, t) -> (x̂₀, ε̂), using z_t = √ᾱ x₀ + √(1-ᾱ) ε.
+
+        With clip, x̂₀ is clipped to [-1, 1] and ε̂ recomputed from the clipped x̂₀, so the
+        pair stays consistent with z_t (as in Ho et al.'s and DDIM's samplers).
+        """
+        a, s = extract(self.sqrt_alpha_bar, t, z), extract(self.sqrt_one_minus_alpha_bar, t, z)
+        if self.cfg.prediction == "eps":
+            x0, eps = (z - s * out) / a, out
+        elif self.cfg.prediction == "x":
+            x0, eps = out, (z - a * out) / s
+        else:  # v = √ᾱ ε − √(1−ᾱ) x₀  =>  x₀ = √ᾱ z − √(1−ᾱ) v,  ε = √(1−ᾱ) z + √ᾱ v
+            x0, eps = a * z - s * out, s * z + a * out
+        if clip:
+            x0 = x0.clamp(-1, 1)
+            eps = (z - a * x0) / s
+        return x0, eps
+
+    def loss(self, model, x0, y=None):
+        """L = mean_b w_t ‖target − model(z_t, t, y)‖² / D, t ~ U{0..T-1}, ε ~ N(0, I) (Ho et al. Algorithm 1).
+
+        Labels are replaced by the null class with probability p_uncond, so one network learns
+        both p(x|y) and p(x) for classifier-free guidance (Ho & Salimans 2022).
+        Afterwards self.last_t and self.last_losses hold the timesteps and the per-sample
+        losses (detached) for per-quartile logging.
+        """
+        B = x0.shape[0]
+        t = torch.randint(0, self.cfg.timesteps, (B,), device=x0.device)
+        noise = torch.randn_like(x0)
+        z = self.q_sample(x0, t, noise)
+        if y is not None and self.cfg.p_uncond > 0:
+            drop = torch.rand(B, device=x0.device) < self.cfg.p_uncond
+            y = torch.where(drop, torch.full_like(y, self.cfg.num_classes), y)
+        out = model(z, t, y).float()
+        mse = (out - self.target(x0, noise, t)).pow(2).flatten(1).mean(1)  # (B,)
+        losses = self.loss_weight[t].float() * mse
+        self.last_t, self.last_losses = t, losses.detach()
+        return losses.mean()
+
+    def q_posterior(self, x0, z, ab_t, ab_s):
+        """Mean and variance of q(x_s | x_t, x_0) for s < t, from ᾱ_t and ᾱ_s (Ho et al. eq. 6-7).
+
+        With α_{t|s} = ᾱ_t/ᾱ_s and β_{t|s} = 1 - α_{t|s}:
+            μ̃ = √ᾱ_s β_{t|s} / (1-ᾱ_t) · x_0 + √α_{t|s} (1-ᾱ_s) / (1-ᾱ_t) · x_t,
+            β̃ = (1-ᾱ_s) / (1-ᾱ_t) · β_{t|s}.
+        For s = t-1 these are eq. 7 exactly; for s further back they serve respaced sampling.
+        """
+        beta_ts = 1 - ab_t / ab_s
+        mean = (ab_s**0.5 * beta_ts / (1 - ab_t)) * x0 + ((1 - beta_ts) ** 0.5 * (1 - ab_s) / (1 - ab_t)) * z
+        return mean, (1 - ab_s) / (1 - ab_t) * beta_ts
+
+    def q_posterior_mean_variance(self, x0, z, t):
+        """q(x_{t-1} | x_t, x_0) for a batch of timesteps t: (B,)  (Ho et al. eq. 7)."""
+        return self.q_posterior(x0, z, extract(self.alpha_bar, t, z), extract(self.alpha_bar_prev, t, z))
+
+    def timestep_sequence(self, steps=None):
+        """Descending timesteps to sample with: all T, or `steps` of them evenly spaced from T-1 to 0."""
+        T = self.cfg.timesteps
+        if not steps or steps == T:
+            return list(range(T - 1, -1, -1))
+        if not 1 <= steps <= T:
+            raise ValueError(f"steps must lie in [1, {T}], got {steps}")
+        return sorted({round(i * (T - 1) / max(steps - 1, 1)) for i in range(steps)}, reverse=True)
+
+    def guided(self, model, z, t, y, guidance):
+        """The model output with classifier-free guidance: out_u + w (out_c - out_u) (Ho & Salimans 2022 eq. 6).
+
+        Every target (ε, x, v) is affine in the output at fixed z_t, so guiding the output
+        guides x̂₀ and ε̂ identically. w = 1 is plain conditional sampling: one call, no null pass.
+        """
+        if y is None or guidance == 1.0:
+            return model(z, t, y).float()
+        null = torch.full_like(y, self.cfg.num_classes)
+        out_c, out_u = model(torch.cat([z, z]), torch.cat([t, t]), torch.cat([y, null])).float().chunk(2)
+        return out_u + guidance * (out_c - out_u)
+
+    @torch.no_grad()
+    def sample(self, model, shape, *, sampler="ddpm", steps=None, y=None, guidance=1.0, generator=None,
+               eta=0.0, clip=True):
+        """Draw images in [-1, 1] of `shape` = (B, C, H, W), starting from z_T ~ N(0, I).
+
+        'ddpm': ancestral sampling (Ho et al. Algorithm 2) through the posterior of eq. 7 with x̂₀
+                plugged in, and σ² = β_t ('large') or β̃_t ('small'); with `steps` < T it runs on
+                the respaced chain of those timesteps (Nichol & Dhariwal 2021 §4).
+        'ddim': Song et al. 2021 eq. 12 on `steps` evenly spaced timesteps, with
+                σ = η √((1-ᾱ_s)/(1-ᾱ_t)) √(1 - ᾱ_t/ᾱ_s); η = 0 is deterministic.
+        `generator` (on any device) makes the noise, and so the samples, reproducible.
+        """
+        device = self.alpha_bar.device
+        gen_device = generator.device if generator is not None else device
+
+        def randn():
+            return torch.randn(shape, generator=generator, device=gen_device).to(device)
+
+        ts = self.timestep_sequence(steps)
+        alpha_bar = self.alpha_bar.tolist()  # python floats: the coefficients below are computed in float64
+        z = randn()
+        for i, t in enumerate(ts):
+            s = ts[i + 1] if i + 1 < len(ts) else -1
+            ab_t, ab_s = alpha_bar[t], (alpha_bar[s] if s >= 0 else 1.0)
+            tt = torch.full((shape[0],), t, device=device, dtype=torch.long)
+            x0, eps = self.predict_x0_eps(self.guided(model, z, tt, y, guidance), z, tt, clip)
+            if sampler == "ddpm":
+                mean, var_small = self.q_posterior(x0, z, ab_t, ab_s)
+                var = var_small if self.cfg.reverse_variance == "small" else 1 - ab_t / ab_s
+                z = mean + var**0.5 * randn() if s >= 0 else mean  # no noise on the last step
+            elif sampler == "ddim":
+                sigma = eta * ((1 - ab_s) / (1 - ab_t) * (1 - ab_t / ab_s)) ** 0.5
+                z = ab_s**0.5 * x0 + (1 - ab_s - sigma**2) ** 0.5 * eps
+                if sigma > 0:
+                    z = z + sigma * randn()
+            else:
+                raise ValueError(f"unknown sampler '{sampler}'")
+        return z.clamp(-1, 1)
+
+
+# -----------------------------------------------------------------------------
+# FLOPs and MFU. FLOPs are counted, not estimated: torch.utils.flop_counter sees every
+# matmul, convolution and attention call (a multiply-add counts as 2 FLOPs).
+
+# Dense peak FLOP/s by precision, from the vendors' datasheets (no sparsity). 'fp32' is the
+# non-tensor-core rate, 'tf32' the tensor-core rate with fp32 inputs. Matched by name, in order.
+PEAK_FLOPS = [
+    ("H200", {"bf16": 989e12, "tf32": 494.7e12, "fp32": 66.9e12}),
+    ("H100 PCIe", {"bf16": 756e12, "tf32": 378e12, "fp32": 51.2e12}),
+    ("H100", {"bf16": 989e12, "tf32": 494.7e12, "fp32": 66.9e12}),  # SXM
+    ("A100", {"bf16": 312e12, "tf32": 156e12, "fp32": 19.5e12}),
+]
+
+
+def datasheet_peak(device, precision):
+    """Datasheet peak FLOP/s of a CUDA device at `precision`, or None when the device is not in the table."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peaks[precision] for key, peaks in PEAK_FLOPS if key in name), None)
+
+
+_matmul_cache = {}
+
+
+def measure_matmul_flops(device, dtype):
+    """The best FLOP/s of square matmuls in `dtype` on `device`: the practical peak MFU is measured against.
+
+    The size grows until one matmul takes >= 50 ms (or n = 8192), so slow paths stay quick to measure.
+    """
+    key = (str(device), dtype)
+    if key not in _matmul_cache:
+        n, best = 256, 0.0
+        while True:
+            a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+            timer = StepTimer(device)
+            for _ in range(5):
+                timer.start()
+                a @ b
+                timer.stop()
+            sec = min(timer.read_ms()[1:]) / 1e3  # first call is warm-up
+            best = max(best, 2 * n**3 / sec)
+            if sec >= 0.05 or n >= 8192:
+                break
+            n *= 2
+        _matmul_cache[key] = best
+    return _matmul_cache[key]
+
+
+def cpu_has_bf16():
+    """True where bf16 matmuls run on hardware (AVX512-BF16 or AMX); elsewhere they are emulated, ~100x slower."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+def resolve_precision(precision, device):
+    """'auto' -> 'bf16' on CUDA devices with bf16 and on CPUs with AVX512-BF16/AMX, else 'fp32'."""
+    if precision != "auto":
+        return precision
+    if device.type == "cuda":
+        return "bf16" if torch.cuda.is_bf16_supported() else "tf32"
+    return "bf16" if device.type == "cpu" and cpu_has_bf16() else "fp32"
+
+
+def peak_flops(device, precision):
+    """-> (peak FLOP/s, where it came from). CUDA: the datasheet (measured when the device is unknown);
+    CPU: the measured matmul rate in the compute dtype."""
+    peak = datasheet_peak(device, precision)
+    if peak is not None:
+        return peak, f"datasheet {torch.cuda.get_device_name(device)} {precision}"
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    return measure_matmul_flops(device, dtype), f"measured {dtype} matmul on {device.type}"
+
+
+def train_flops_per_image(mc, attention="sdpa"):
+    """FLOPs of one training image, forward + backward, counted by torch.utils.flop_counter.
+
+    Counted on the meta device (no memory, no compute) at batch 1; every op in the UNet is
+    linear in the batch, so a step costs batch_size times this.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.device("meta"):
+        model = UNet(mc, attention=attention)
+        x = torch.zeros(1, mc.channels, mc.image_size, mc.image_size)
+        t = torch.zeros(1, dtype=torch.long)
+        y = torch.zeros(1, dtype=torch.long) if mc.num_classes > 0 else None
+    with FlopCounterMode(display=False) as counter:
+        model(x, t, y).sum().backward()
+    return counter.get_total_flops()
+
+
+def torchinfo_flops_per_image(mc):
+    """The reference repo's estimate: torchinfo's forward mult-adds x 2 FLOPs x 3 (forward + backward).
+    It sees only nn.Module layers, so it misses the attention matmuls: shown beside the count above."""
+    import torchinfo
+
+    model = UNet(mc)
+    x = torch.zeros(1, mc.channels, mc.image_size, mc.image_size)
+    stats = torchinfo.summary(model, input_data=[x, torch.zeros(1, dtype=torch.long)], verbose=0, device="cpu")
+    return stats.total_mult_adds * 2 * 3
+
+
+def mfu(flops_per_step, step_seconds, peak):
+    """Model FLOPs utilisation = (FLOPs per step / seconds per step) / peak FLOP/s.
+
+    FLOPs per step = batch_size x train_flops_per_image (forward + backward, attention included).
+    """
+    return flops_per_step / step_seconds / peak
+
+
+class StepTimer:
+    """Times code between start() and stop() without syncing: CUDA events on a GPU,
+    perf_counter elsewhere (CPU ops are synchronous). read_ms() is the sync point."""
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+        self.pending = []
+
+    def start(self):
+        if self.cuda:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._start = time.perf_counter()
+
+    def stop(self):
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.pending.append((self._start, end))
+        else:
+            self.pending.append((time.perf_counter() - self._start) * 1e3)
+
+    def read_ms(self):
+        """Milliseconds of every start/stop pair since the last read. Note: a CPU-GPU sync point."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            out = [s.elapsed_time(e) for s, e in self.pending]
+        else:
+            out = self.pending
+        self.pending = []
+        return out
+
+
+# -----------------------------------------------------------------------------
+# One optimisation step: shared by the training loop and benchmark.py.
+
+
+def autocast(device, precision):
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+
+
+def set_matmul_precision(precision):
+    """'fp32' is true fp32 everywhere; 'tf32' and 'bf16' let fp32 matmuls and convs use TF32 tensor cores."""
+    tf32 = precision != "fp32"
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
+
+
+def make_optimizer(model, tc, device):
+    fused = device.type in ("cuda", "cpu")  # fused AdamW kernels exist for both since torch 2.4
+    return torch.optim.AdamW(model.parameters(), lr=tc.lr, betas=(tc.adam_beta1, tc.adam_beta2),
+                             weight_decay=tc.weight_decay, fused=fused)
+
+
+def train_step(model, diffusion, opt, x0, y, precision, grad_clip):
+    """Forward, backward, clip, AdamW step. Returns (loss, grad norm or None) as device tensors: no sync."""
+    with autocast(x0.device, precision):
+        loss = diffusion.loss(model, x0, y)
+    loss.backward()
+    params = [p for g in opt.param_groups for p in g["params"]]
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip) if grad_clip > 0 else None
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.detach(), grad_norm
+
+
+@torch.no_grad()
+def ema_update(ema, model, decay):
+    """θ_ema <- decay θ_ema + (1 - decay) θ, as one fused foreach op over all parameters."""
+    torch._foreach_lerp_(list(ema.parameters()), list(model.parameters()), 1 - decay)
+
+
+def lr_at(step, tc):
+    """Linear warm-up over warmup_steps, then constant or cosine decay to 0 at max_steps."""
+    if step < tc.warmup_steps:
+        return tc.lr * (step + 1) / tc.warmup_steps
+    if tc.lr_schedule == "cosine":
+        progress = (step - tc.warmup_steps) / max(1, tc.max_steps - tc.warmup_steps)
+        return tc.lr * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+    return tc.lr
+
+
+def ema_decay_at(step, tc):
+    return min(tc.ema_decay, (1 + step) / (10 + step)) if tc.ema_warmup else tc.ema_decay
+
+
+# -----------------------------------------------------------------------------
+# The run folder: config.json, metrics.jsonl, sample grids, loss.png, ckpt.pt (resumable) and ema.pt (export)
+
+
+def environment(device):
+    def git(*args):
+        try:
+            return subprocess.run(["git", *args], cwd=os.path.dirname(os.path.abspath(__file__)),
+                                  capture_output=True, text=True, timeout=10).stdout.strip() or None
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    import numpy
+    import torchvision
+
+    return {
+        "git_hash": git("rev-parse", "HEAD"),
+        "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torchvision": torchvision.__version__,
+        "numpy": numpy.__version__,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "cpu_threads": torch.get_num_threads(),
+        "cuda": torch.version.cuda,
+        "hostname": platform.node(),
+        "argv": sys.argv,
+    }
+
+
+def atomic_save(obj, path):
+    """torch.save to a temporary file, then rename: a crash mid-write never leaves a broken `path`."""
+    tmp = f"{path}.tmp"
+    torch.save(obj, tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_grid(images, path):
+    """images in [-1, 1], (B, C, H, W) -> a square PNG grid; small images are enlarged to be visible."""
+    import torchvision
+
+    x = (images.float() + 1) / 2
+    if x.shape[-1] < 64:
+        x = F.interpolate(x, scale_factor=64 // x.shape[-1], mode="nearest")
+    torchvision.utils.save_image(x, path, nrow=math.ceil(math.sqrt(len(x))), padding=2)
+
+
+def plot_losses(metrics_path, png_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in open(metrics_path)]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="loss")
+    for q in range(4):
+        ax.plot([r["step"] for r in rows], [r[f"loss_q{q}"] for r in rows], lw=0.8, alpha=0.7, label=f"t quartile {q}")
+    ax.set(xlabel="step", ylabel="loss", yscale="log", title="training loss")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+
+
+def resolve_device(name):
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"--device={name}: not a device name") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device={name}: no CUDA device is available")
+    return device
+
+
+# -----------------------------------------------------------------------------
+# Training
+
+
+def train(mc, tc, preset="custom"):
+    """Train from scratch or resume; returns the run folder. Fixed sections each step:
+    LR -> samples/checkpoint -> forward/backward/step -> EMA -> timing/log."""
+    # ---- setup
+    device = resolve_device(tc.device)
+    precision = resolve_precision(tc.precision, device)
+    if precision == "bf16" and device.type == "cpu" and not cpu_has_bf16():
+        print("warning: this CPU has no AVX512-BF16/AMX; bf16 will run far slower than --precision=fp32")
+    set_matmul_precision(precision)
+    torch.manual_seed(tc.seed)
+    out_dir = tc.out_dir or os.path.join("runs", f"{preset}-{time.strftime('%Y%m%d-%H%M%S')}")
+    ckpt_path = os.path.join(out_dir, "ckpt.pt")
+    if tc.resume and not os.path.exists(ckpt_path):
+        raise ConfigError(f"--resume: no checkpoint at {ckpt_path}")
+    if not tc.resume and os.path.exists(ckpt_path):
+        raise ConfigError(f"{out_dir} already holds a checkpoint: pass --resume to continue it, or choose another --out_dir")
+    os.makedirs(out_dir, exist_ok=True)
+
+    images, labels, data_classes = load_dataset(tc.dataset, tc.data_dir, mc.image_size, tc.shapes_count)
+    if mc.num_classes > 0 and labels.max() >= mc.num_classes:
+        raise ConfigError(f"num_classes={mc.num_classes}, but dataset '{tc.dataset}' has {data_classes} classes")
+    loader = Loader(images, labels, tc.batch_size, tc.seed, device, tc.hflip, with_labels=mc.num_classes > 0)
+
+    model = UNet(mc, attention=tc.attention).to(device)
+    ema = copy.deepcopy(model).requires_grad_(False).eval()
+    diffusion = Diffusion(mc).to(device)
+    opt = make_optimizer(model, tc, device)
+    step = 0
+    if tc.resume:
+        ckpt = torch.load(ckpt_path, map_location=device, weights_only=True)
+        changed = [k for k, v in asdict(mc).items() if ckpt["model_config"].get(k) != (list(v) if isinstance(v, tuple) else v)]
+        if changed:
+            raise ConfigError(f"--resume: the model config differs from the checkpoint's in {', '.join(changed)}")
+        model.load_state_dict(ckpt["model"])
+        ema.load_state_dict(ckpt["ema"])
+        opt.load_state_dict(ckpt["optimizer"])
+        loader.load_state_dict(ckpt["loader"])
+        step = ckpt["step"]
+        torch.set_rng_state(ckpt["rng"]["torch"])
+        if device.type == "cuda" and ckpt["rng"]["cuda"]:
+            torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
+        print(f"resumed {out_dir} at step {step}")
+    forward = torch.compile(model) if tc.compile else model
+
+    flops_per_step = train_flops_per_image(mc, tc.attention) * tc.batch_size
+    peak, peak_source = peak_flops(device, precision)
+    n_params = sum(p.numel() for p in model.parameters())
+    info = {
+        "preset": preset, "model": asdict(mc), "trainer": asdict(tc),
+        "resolved": {"out_dir": out_dir, "device": str(device), "precision": precision, "parameters": n_params,
+                     "train_flops_per_image": flops_per_step // tc.batch_size,
+                     "torchinfo_flops_per_image_x3": torchinfo_flops_per_image(mc),
+                     "peak_flops": peak, "peak_source": peak_source, "dataset_images": len(images)},
+        "environment": environment(device),
+    }
+    with open(os.path.join(out_dir, "config.json" if not tc.resume else f"config-resume-{step}.json"), "w") as f:
+        json.dump(info, f, indent=2)
+    print(f"{out_dir}: {n_params / 1e6:.2f}M parameters, {len(images)} images, {device} {precision}, "
+          f"{flops_per_step / tc.batch_size / 1e9:.2f} GFLOP/image (fwd+bwd), MFU against {peak / 1e12:.3g} TFLOP/s ({peak_source})")
+
+    def ema_model(z, t, y):
+        with autocast(device, precision):
+            return ema(z, t, y)
+
+    def save_samples(step):
+        y = torch.arange(tc.num_samples, device=device) % mc.num_classes if mc.num_classes > 0 else None
+        g = torch.Generator().manual_seed(tc.seed)  # the same noise every time: grids are comparable across steps
+        x = diffusion.sample(ema_model, (tc.num_samples, mc.channels, mc.image_size, mc.image_size),
+                             sampler=tc.sampler, steps=tc.sample_steps or None, y=y, generator=g)
+        save_grid(x, os.path.join(out_dir, f"samples_{step:07d}.png"))
+
+    def save_checkpoint(step):
+        rng = {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if device.type == "cuda" else []}
+        atomic_save({"model": model.state_dict(), "ema": ema.state_dict(), "optimizer": opt.state_dict(),
+                     "loader": loader.state_dict(), "step": step, "rng": rng,
+                     "model_config": asdict(mc), "trainer_config": asdict(tc)}, ckpt_path)
+        atomic_save({"ema": ema.state_dict(), "model_config": asdict(mc), "step": step}, os.path.join(out_dir, "ema.pt"))
+
+    # ---- the loop
+    from tqdm import tqdm
+
+    metrics_path = os.path.join(out_dir, "metrics.jsonl")
+    timer = StepTimer(device)
+    timing_warmup = step + 5  # the first steps after (re)start (compilation, allocator warm-up) stay off the clock
+    loss_sum, n_accum = torch.zeros((), device=device), 0
+    q_sum, q_count = torch.zeros(4, device=device), torch.zeros(4, device=device)
+    start_step, t_start = step, time.time()
+    pbar = tqdm(total=tc.max_steps, initial=step, dynamic_ncols=True, desc="train")
+    while True:
+        last_step = step == tc.max_steps
+
+        # 1. learning rate
+        lr = lr_at(step, tc)
+        for g in opt.param_groups:
+            g["lr"] = lr
+
+        # 2. sample grid and checkpoint (off the clock)
+        if step > start_step and (last_step or (tc.sample_every_steps and step % tc.sample_every_steps == 0)):
+            save_samples(step)
+            plot_losses(metrics_path, os.path.join(out_dir, "loss.png"))
+        if step > start_step and (last_step or (tc.ckpt_every_steps and step % tc.ckpt_every_steps == 0)):
+            save_checkpoint(step)
+        if last_step:
+            break
+
+        # 3. forward / backward / step
+        if step >= timing_warmup:
+            timer.start()
+        x0, y = loader.next()
+        loss, grad_norm = train_step(forward, diffusion, opt, x0, y, precision, tc.grad_clip)
+
+        # 4. EMA
+        ema_update(ema, model, ema_decay_at(step, tc) if tc.ema_decay > 0 else 0.0)
+        if step >= timing_warmup:
+            timer.stop()
+
+        # 5. timing and logging
+        loss_sum += loss
+        n_accum += 1
+        quartile = diffusion.last_t * 4 // mc.timesteps
+        q_sum.index_add_(0, quartile, diffusion.last_losses)
+        q_count.index_add_(0, quartile, torch.ones_like(diffusion.last_losses))
+        step += 1
+        pbar.update(1)
+        if step % tc.log_every_steps == 0 or step == tc.max_steps:
+            step_ms = statistics.median(timer.read_ms() or [float("nan")])  # note: a CPU-GPU sync point
+            row = {"step": step, "loss": loss_sum.item() / n_accum, "lr": lr,  # note: .item() is a sync point
+                   **{f"loss_q{q}": v for q, v in enumerate((q_sum / q_count.clamp(min=1)).tolist())},
+                   "grad_norm": grad_norm.item() if grad_norm is not None else None,
+                   "step_ms": step_ms, "img_per_s": tc.batch_size / step_ms * 1e3,
+                   "tflops": flops_per_step / step_ms / 1e9, "mfu": mfu(flops_per_step, step_ms / 1e3, peak),
+                   "kimg": step * tc.batch_size / 1e3, "wall_s": time.time() - t_start}
+            row = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+            loss_sum.zero_(), q_sum.zero_(), q_count.zero_()
+            n_accum = 0
+            if row["img_per_s"] is not None:
+                pbar.set_postfix_str(f"loss {row['loss']:.4f} | {row['img_per_s']:.0f} img/s | "
+                                     f"{row['tflops']:.3f} TFLOP/s | MFU {100 * row['mfu']:.1f}%")
+            else:
+                pbar.set_postfix_str(f"loss {row['loss']:.4f}")
+    pbar.close()
+    print(f"done: {out_dir} (step {step}, {time.time() - t_start:.0f} s)")
+    return out_dir
+
+
+def main(argv=None):
+    try:
+        mc, tc, preset = parse_args(sys.argv[1:] if argv is None else argv)
+        train(mc, tc, preset)
+    except (ConfigError, DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""The command line: flat overrides, presets, and one clear line for bad input."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ddpm import ConfigError, parse_args
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "ddpm.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_defaults_are_ho_et_al():
+    mc, tc, preset = parse_args([])
+    assert preset == "ho"
+    assert (mc.base_channels, mc.channel_mult, mc.num_res_blocks, mc.attn_resolutions, mc.dropout) == (128, (1, 2, 2, 2), 2, (16,), 0.1)
+    assert (mc.timesteps, mc.beta_start, mc.beta_end, mc.prediction, mc.schedule) == (1000, 1e-4, 0.02, "eps", "linear")
+    assert (tc.lr, tc.warmup_steps, tc.grad_clip, tc.batch_size, tc.ema_decay, tc.hflip) == (2e-4, 5000, 1.0, 128, 0.9999, True)
+
+
+def test_overrides_and_presets():
+    mc, tc, preset = parse_args(["--preset", "demo", "--lr=3e-4", "--channel_mult=1,2", "--attn_resolutions=", "--compile",
+                                 "--prediction", "v", "--hflip=false"])
+    assert preset == "demo" and mc.image_size == 16 and tc.dataset == "shapes"
+    assert tc.lr == 3e-4 and mc.channel_mult == (1, 2) and mc.attn_resolutions == () and tc.compile is True
+    assert mc.prediction == "v" and tc.hflip is False
+    mc, tc, _ = parse_args(["--preset=seed"])
+    assert (mc.base_channels, mc.channel_mult, mc.attn_heads, mc.attn_head_dim, tc.batch_size) == (32, (1, 2, 4, 8), 4, 32, 3072)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--lr=abc"], "--lr=abc"),
+    (["--prediction=foo"], "--prediction=foo"),
+    (["--image_size=30"], "image_size 30"),
+    (["--attn_resolutions=5"], "attn_resolutions"),
+    (["--preset=nope"], "preset"),
+    (["--resume"], "--resume"),
+])
+def test_bad_values_raise_config_errors(args, needle):
+    with pytest.raises(ConfigError, match=needle.replace("+", r"\+")):
+        parse_args(args)
+
+
+@pytest.mark.parametrize("arg,needle", [("--no_such_field=1", "no_such_field"), ("--lr=abc", "lr"),
+                                        ("--image_size=20", "image_size")])
+def test_bad_input_is_one_line_and_nonzero(arg, needle):
+    r = run_cli(arg)
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0] and lines[0].startswith("error:")
+
+
+def test_help_lists_every_field_with_default_and_comment():
+    r = run_cli("--help")
+    assert r.returncode == 0
+    assert "--base_channels=128" in r.stdout and "width of the first UNet level" in r.stdout
+    assert "--batch_size=128" in r.stdout and "global batch size" in r.stdout
+    assert "demo" in r.stdout

@@ -1,0 +1,189 @@
+"""The diffusion maths against closed forms and against independent float64 references."""
+import math
+
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_model
+
+from ddpm import Diffusion, ModelConfig
+
+
+def test_linear_schedule_matches_closed_form():
+    d = Diffusion(ModelConfig())
+    betas = np.linspace(1e-4, 0.02, 1000)
+    alpha_bar = np.cumprod(1 - betas)
+    assert d.alpha_bar.shape == (1000,)
+    np.testing.assert_allclose(d.betas.numpy(), betas, rtol=1e-12)
+    np.testing.assert_allclose(d.alpha_bar.numpy(), alpha_bar, rtol=1e-12)
+    assert d.alpha_bar[0].item() == pytest.approx(1 - 1e-4, rel=1e-12)  # t = 0 is the least noisy
+    assert d.alpha_bar[-1].item() == pytest.approx(4.0358e-5, rel=1e-3)  # Ho et al.'s ᾱ_T
+
+
+def test_cosine_schedule_matches_closed_form():
+    T, s = 1000, 0.008
+    d = Diffusion(ModelConfig(schedule="cosine", timesteps=T))
+    f = lambda t: math.cos((t / T + s) / (1 + s) * math.pi / 2) ** 2  # noqa: E731
+    ref = np.array([f(t + 1) / f(0) for t in range(T)])
+    # identical wherever the 0.999 clip on β is inactive (all but the last few steps)
+    np.testing.assert_allclose(d.alpha_bar[:990].numpy(), ref[:990], rtol=1e-10)
+    assert d.betas.max().item() <= 0.999
+
+
+def test_q_sample_statistics():
+    d = Diffusion(ModelConfig())
+    n = 200_000
+    for t in (0, 250, 999):
+        x0 = torch.full((n, 1, 1, 1), 0.7, dtype=torch.float64)
+        tt = torch.full((n,), t)
+        z = d.q_sample(x0, tt, torch.randn_like(x0))
+        ab = d.alpha_bar[t].item()
+        assert z.mean().item() == pytest.approx(math.sqrt(ab) * 0.7, abs=5e-3)
+        assert z.var().item() == pytest.approx(1 - ab, rel=2e-2, abs=1e-5)
+
+
+@pytest.mark.parametrize("prediction", ["eps", "x", "v"])
+def test_prediction_round_trip(prediction):
+    d = Diffusion(ModelConfig(prediction=prediction))
+    x0 = torch.rand(64, 3, 4, 4, dtype=torch.float64) * 2 - 1
+    noise = torch.randn_like(x0)
+    t = torch.randint(0, 1000, (64,))
+    z = d.q_sample(x0, t, noise)
+    x0_hat, eps_hat = d.predict_x0_eps(d.target(x0, noise, t), z, t, clip=False)
+    torch.testing.assert_close(x0_hat, x0, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(eps_hat, noise, rtol=1e-9, atol=1e-9)
+    # clipping keeps x̂₀ in range and ε̂ consistent with z_t
+    x0_c, eps_c = d.predict_x0_eps(d.target(3 * x0, noise, t), z, t, clip=True)
+    assert x0_c.abs().max() <= 1
+    sa, so = d.alpha_bar[t].sqrt().view(-1, 1, 1, 1), (1 - d.alpha_bar[t]).sqrt().view(-1, 1, 1, 1)
+    torch.testing.assert_close(sa * x0_c + so * eps_c, z)
+
+
+def test_v_definition():
+    d = Diffusion(ModelConfig(prediction="v"))
+    x0, noise, t = torch.randn(8, 3, 2, 2, dtype=torch.float64), torch.randn(8, 3, 2, 2, dtype=torch.float64), torch.arange(8) * 100
+    ab = d.alpha_bar[t].view(-1, 1, 1, 1)
+    torch.testing.assert_close(d.target(x0, noise, t), ab.sqrt() * noise - (1 - ab).sqrt() * x0)
+
+
+def noise_of(d, x0, z, t):
+    """The ε that produced z_t from x₀."""
+    a, s = d.alpha_bar[t].sqrt().view(-1, 1, 1, 1), (1 - d.alpha_bar[t]).sqrt().view(-1, 1, 1, 1)
+    return (z - a * x0) / s
+
+
+@pytest.mark.parametrize("weighting", ["none", "sqrt_snr", "min_snr"])
+def test_loss_weighting(weighting):
+    """Weights are defined on the x₀-MSE, so the same x̂₀ error costs the same under ε, x and v."""
+    x0 = torch.rand(32, 3, 4, 4, dtype=torch.float64) * 2 - 1
+    delta = 0.05 * torch.randn_like(x0)
+    mse_x = delta.pow(2).flatten(1).mean(1)
+    losses = {}
+    for prediction in ("eps", "x", "v"):
+        d = Diffusion(ModelConfig(prediction=prediction, loss_weighting=weighting, timesteps=100))
+
+        def model(z, t, y):  # predicts x̂₀ = x₀ + δ, expressed in the configured target
+            return d.target(x0 + delta, noise_of(d, x0 + delta, z, t), t)
+
+        torch.manual_seed(1)  # the same t and ε for every prediction type
+        d.loss(model, x0)
+        losses[prediction] = d.last_losses.double()
+    t = d.last_t
+    snr = d.alpha_bar[t] / (1 - d.alpha_bar[t])
+    if weighting == "none":  # L_simple: the plain MSE of each target
+        torch.testing.assert_close(losses["x"], mse_x, rtol=1e-5, atol=0)
+        torch.testing.assert_close(losses["eps"], snr * mse_x, rtol=1e-5, atol=0)
+        torch.testing.assert_close(losses["v"], (snr + 1) * mse_x, rtol=1e-5, atol=0)
+    else:
+        lam = snr.sqrt() if weighting == "sqrt_snr" else snr.clamp(max=5.0)
+        for prediction in ("eps", "x", "v"):
+            torch.testing.assert_close(losses[prediction], lam * mse_x, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("prediction", ["eps", "x", "v"])
+def test_perfect_model_has_zero_loss(prediction):
+    d = Diffusion(ModelConfig(prediction=prediction, timesteps=100))
+    x0 = torch.rand(16, 3, 4, 4, dtype=torch.float64)
+    loss = d.loss(lambda z, t, y: d.target(x0, noise_of(d, x0, z, t), t), x0)
+    assert loss.item() < 1e-10
+
+
+def test_timestep_sequence():
+    d = Diffusion(ModelConfig(timesteps=1000))
+    assert d.timestep_sequence() == list(range(999, -1, -1))
+    seq = d.timestep_sequence(10)
+    assert len(seq) == 10 and seq[0] == 999 and seq[-1] == 0 and seq == sorted(seq, reverse=True)
+
+
+def eps_model(z, t, y):  # an arbitrary smooth deterministic "network"
+    return 0.3 * torch.tanh(z) * (t.view(-1, 1, 1, 1).to(z.dtype) + 1) / 50
+
+
+def test_ddpm_matches_algorithm_2():
+    """Our posterior-based ancestral step equals Ho et al. Algorithm 2 written out in float64."""
+    for variance in ("large", "small"):
+        d = Diffusion(ModelConfig(timesteps=50, reverse_variance=variance))
+        shape = (4, 3, 4, 4)
+        ours = d.sample(eps_model, shape, generator=torch.Generator().manual_seed(3), clip=False)
+        g = torch.Generator().manual_seed(3)
+        b = d.betas
+        ab = d.alpha_bar
+        x = torch.randn(shape, generator=g).double()
+        for t in range(49, -1, -1):
+            eps = eps_model(x, torch.full((4,), t), None)
+            sigma2 = b[t] if variance == "large" else (1 - ab[t - 1]) / (1 - ab[t]) * b[t] if t > 0 else 0
+            noise = torch.randn(shape, generator=g).double() if t > 0 else 0
+            x = (x - b[t] / (1 - ab[t]).sqrt() * eps) / (1 - b[t]).sqrt() + math.sqrt(sigma2) * noise
+        torch.testing.assert_close(ours.double(), x.clamp(-1, 1), rtol=1e-4, atol=1e-4)
+
+
+def test_ddim_matches_song_eq_12():
+    d = Diffusion(ModelConfig(timesteps=100))
+    shape = (4, 3, 4, 4)
+    ours = d.sample(eps_model, shape, sampler="ddim", steps=10, generator=torch.Generator().manual_seed(5), clip=False)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(5)).double()
+    seq = d.timestep_sequence(10)
+    ab = d.alpha_bar
+    for i, t in enumerate(seq):
+        a_prev = ab[seq[i + 1]] if i + 1 < len(seq) else torch.tensor(1.0, dtype=torch.float64)
+        eps = eps_model(x, torch.full((4,), t), None)
+        x0 = (x - (1 - ab[t]).sqrt() * eps) / ab[t].sqrt()
+        x = a_prev.sqrt() * x0 + (1 - a_prev).sqrt() * eps
+    torch.testing.assert_close(ours.double(), x.clamp(-1, 1), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("sampler,steps,variance", [("ddpm", None, "small"), ("ddpm", None, "large"), ("ddim", None, "large")])
+def test_samplers_recover_gaussian_data(sampler, steps, variance):
+    """With the exact denoiser of N(μ, s²) data, sampling over all T steps returns N(μ, s²).
+    (DDIM at 50 steps contracts the std to ~0.18: discretisation error, which vanishes as steps -> T.)"""
+    mu, s = 0.3, 0.2
+    d = Diffusion(ModelConfig(prediction="x", reverse_variance=variance))
+
+    def x0_model(z, t, y):  # E[x0 | z_t] for Gaussian data
+        ab = d.alpha_bar[t].view(-1, 1, 1, 1).float()
+        return mu + ab.sqrt() * s**2 / (ab * s**2 + 1 - ab) * (z - ab.sqrt() * mu)
+
+    x = d.sample(x0_model, (20000, 1, 1, 1), sampler=sampler, steps=steps, generator=torch.Generator().manual_seed(0))
+    assert x.mean().item() == pytest.approx(mu, abs=0.01)
+    assert x.std().item() == pytest.approx(s, rel=0.05)
+
+
+def test_sampler_determinism_and_guidance_identity():
+    mc = tiny_model(num_classes=4)
+    d = Diffusion(mc)
+    calls = []
+
+    def model(z, t, y):
+        calls.append(len(z))
+        return torch.sin(z + y.view(-1, 1, 1, 1).float())
+
+    y = torch.arange(4)
+    a = d.sample(model, (4, 3, 16, 16), sampler="ddim", steps=5, y=y, generator=torch.Generator().manual_seed(1))
+    b = d.sample(model, (4, 3, 16, 16), sampler="ddim", steps=5, y=y, guidance=1.0, generator=torch.Generator().manual_seed(1))
+    c = d.sample(model, (4, 3, 16, 16), sampler="ddim", steps=5, y=y, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    assert a.min() >= -1 and a.max() <= 1
+    assert set(calls) == {4}  # w = 1 never evaluates the unconditional branch
+    calls.clear()
+    d.sample(model, (4, 3, 16, 16), sampler="ddim", steps=5, y=y, guidance=2.0, generator=torch.Generator().manual_seed(1))
+    assert set(calls) == {8}  # guided: conditional and null-class halves in one batch

@@ -1,0 +1,58 @@
+"""Real training runs through the real loop, on the built-in data, on the CPU."""
+import json
+import os
+
+import pytest
+import torch
+from conftest import tiny_model, tiny_trainer
+
+from ddpm import ConfigError, train
+
+
+def read_metrics(out_dir):
+    return [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
+
+
+def test_short_run_learns_and_fills_the_run_folder(tmp_path):
+    out = tmp_path / "run"
+    train(tiny_model(), tiny_trainer(out, max_steps=40, sample_every_steps=20), preset="test")
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == list(range(5, 41, 5))
+    assert rows[-1]["loss"] < 0.5 * rows[0]["loss"]  # it learns
+    for key in ("step", "loss", "lr", "img_per_s", "tflops", "mfu", "loss_q0", "loss_q3", "step_ms"):
+        assert key in rows[-1]
+    assert rows[-1]["img_per_s"] > 0 and 0 < rows[-1]["mfu"] < 2
+    files = set(os.listdir(out))
+    assert {"config.json", "metrics.jsonl", "ckpt.pt", "ema.pt", "loss.png", "samples_0000020.png", "samples_0000040.png"} <= files
+    cfg = json.load(open(out / "config.json"))
+    assert cfg["model"]["base_channels"] == 16 and cfg["trainer"]["max_steps"] == 40
+    assert cfg["environment"]["torch"] == torch.__version__ and "git_hash" in cfg["environment"]
+    assert cfg["resolved"]["train_flops_per_image"] > 0 and cfg["resolved"]["precision"] == "fp32"
+    ckpt = torch.load(out / "ckpt.pt", weights_only=True)
+    assert ckpt["step"] == 40 and {"model", "ema", "optimizer", "rng", "loader"} <= set(ckpt)
+
+
+def test_resume_is_bitwise_identical_to_a_straight_run(tmp_path):
+    mc = tiny_model(dropout=0.1, num_classes=4)  # dropout and label dropout use the RNG too
+    train(mc, tiny_trainer(tmp_path / "straight", max_steps=20, shapes_count=128), preset="test")
+    train(mc, tiny_trainer(tmp_path / "resumed", max_steps=10, shapes_count=128), preset="test")  # 8 batches an epoch: resumes mid-epoch
+    train(mc, tiny_trainer(tmp_path / "resumed", max_steps=20, shapes_count=128, resume=True), preset="test")
+    a = torch.load(tmp_path / "straight" / "ckpt.pt", weights_only=True)
+    b = torch.load(tmp_path / "resumed" / "ckpt.pt", weights_only=True)
+    assert b["step"] == 20
+    for part in ("model", "ema"):
+        for k in a[part]:
+            assert torch.equal(a[part][k], b[part][k]), (part, k)
+
+
+def test_never_overwrites_a_checkpoint_and_checks_resume_config(tmp_path):
+    out = tmp_path / "run"
+    train(tiny_model(), tiny_trainer(out, max_steps=2, log_every_steps=1), preset="test")
+    before = (out / "ckpt.pt").read_bytes()
+    with pytest.raises(ConfigError, match="already holds a checkpoint"):
+        train(tiny_model(), tiny_trainer(out, max_steps=2), preset="test")
+    with pytest.raises(ConfigError, match="base_channels"):
+        train(tiny_model(base_channels=32), tiny_trainer(out, max_steps=4, resume=True), preset="test")
+    assert (out / "ckpt.pt").read_bytes() == before
+    with pytest.raises(ConfigError, match="no checkpoint"):
+        train(tiny_model(), tiny_trainer(tmp_path / "empty", resume=True), preset="test")

@@ -1,0 +1,68 @@
+"""The UNet: shapes, dtypes, patching, conditioning, attention backends, the paper's size."""
+import pytest
+import torch
+from conftest import tiny_model
+
+from ddpm import ModelConfig
+from unet import UNet
+
+
+def randomise(model):
+    """Zero-initialised output layers hide most of the network at init; give every weight a value."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.05)
+    return model
+
+
+@pytest.mark.parametrize("patch_size", [1, 2, 4])
+@pytest.mark.parametrize("num_classes", [0, 10])
+def test_output_shape_and_dtype(patch_size, num_classes):
+    mc = tiny_model(image_size=32, patch_size=patch_size, num_classes=num_classes, attn_resolutions=(32 // patch_size // 2,))
+    model = randomise(UNet(mc))
+    x, t = torch.randn(3, 3, 32, 32), torch.tensor([0, 50, 99])
+    y = torch.tensor([0, 9, 10]) if num_classes else None  # 10 = the null class
+    out = model(x, t, y)
+    assert out.shape == x.shape and out.dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x, t, y)
+    assert out.shape == x.shape and out.dtype == torch.bfloat16
+
+
+def test_patching_runs_on_the_patched_grid():
+    mc = tiny_model(image_size=32, patch_size=4, attn_resolutions=(8,))
+    model = UNet(mc)
+    assert model.conv_in.in_channels == 3 * 16 and model.conv_out.out_channels == 3 * 16
+    seen = []
+    model.conv_in.register_forward_hook(lambda m, i, o: seen.append(o.shape[-1]))
+    model(torch.randn(1, 3, 32, 32), torch.zeros(1, dtype=torch.long))
+    assert seen == [8]
+
+
+def test_class_conditioning_changes_the_output():
+    model = randomise(UNet(tiny_model(num_classes=4)))
+    x, t = torch.randn(2, 3, 16, 16), torch.tensor([10, 10])
+    a, b = model(x, t, torch.tensor([0, 0])), model(x, t, torch.tensor([1, 1]))
+    assert not torch.allclose(a, b)
+    torch.testing.assert_close(model(x, t), model(x, t, torch.tensor([4, 4])))  # y=None is the null class
+
+
+def test_output_layer_is_zero_initialised():
+    model = UNet(tiny_model())
+    assert model.conv_out.weight.abs().sum() == 0 and model.conv_out.bias.abs().sum() == 0
+    assert model(torch.randn(2, 3, 16, 16), torch.tensor([1, 2])).abs().max() == 0
+
+
+@pytest.mark.parametrize("heads,head_dim", [(1, 0), (4, 0), (4, 8)])
+def test_sdpa_matches_math_attention(heads, head_dim):
+    mc = tiny_model(attn_heads=heads, attn_head_dim=head_dim, attn_resolutions=(16, 8))
+    sdpa = randomise(UNet(mc, attention="sdpa")).eval()
+    math_ = UNet(mc, attention="math").eval()
+    math_.load_state_dict(sdpa.state_dict())
+    x, t = torch.randn(2, 3, 16, 16), torch.tensor([3, 70])
+    torch.testing.assert_close(sdpa(x, t), math_(x, t), rtol=1e-4, atol=1e-4)
+
+
+def test_default_is_the_papers_35_7M():
+    n = sum(p.numel() for p in UNet(ModelConfig()).parameters())
+    assert n == 35_746_307  # Ho et al. 2020, CIFAR-10: 35.7M
