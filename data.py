@@ -113,13 +113,13 @@ def shapes(n, image_size, seed=0, chunk=2048):
         angle = u(b, 1, 1, hi=2 * math.pi)
         along = (px - 0.5) * torch.cos(angle) + (py - 0.5) * torch.sin(angle) + 0.5  # (b, H, W)
         across = -(px - 0.5) * torch.sin(angle) + (py - 0.5) * torch.cos(angle)
-        stripes = 0.05 * torch.sin(2 * math.pi * u(b, 1, 1, lo=1.0, hi=2.5) * across)
+        stripes = 0.04 * torch.sin(2 * math.pi * u(b, 1, 1, lo=1.0, hi=2.5) * across)
         bg = c1 + (c2 - c1) * along[:, None] + stripes[:, None]
 
         # foreground: one bright, saturated shape
         label = torch.randint(len(SHAPE_CLASSES), (b,), generator=g)
-        cx, cy = u(b, 1, 1, lo=0.35, hi=0.65), u(b, 1, 1, lo=0.35, hi=0.65)
-        r = u(b, 1, 1, lo=0.2, hi=0.3)
+        cx, cy = u(b, 1, 1, lo=0.4, hi=0.6), u(b, 1, 1, lo=0.4, hi=0.6)
+        r = u(b, 1, 1, lo=0.25, hi=0.38)
         dx, dy = px - cx, py - cy
         dist = torch.stack(
             [

@@ -91,6 +91,7 @@ class TrainerConfig:  # the run
     num_samples: int = 64                               # images per sample grid
     sampler: Literal["ddpm", "ddim"] = "ddpm"           # sampler for the grids
     sample_steps: int = 0                               # sampler steps for the grids; 0 = all T
+    guidance: float = 1.0                               # classifier-free guidance weight w for the grids; 1 = none
     seed: int = 0                                       # seeds the weights, the data order, the noise and the grids
     device: str = "auto"                                # 'auto' = cuda if present, else cpu; or 'cpu', 'cuda', 'cuda:1', ...
 
@@ -101,11 +102,13 @@ PRESETS = {
     # the reference efficiency repo's UNet: narrow, attention everywhere, big batches
     "seed": dict(base_channels=32, channel_mult=(1, 2, 4, 8), num_res_blocks=2, attn_resolutions=(32, 16, 8, 4),
                  attn_heads=4, attn_head_dim=32, dropout=0.0, batch_size=3072),
-    # small enough to learn the built-in shapes at 16x16 on 2 CPU cores in a few minutes
-    "demo": dict(dataset="shapes", image_size=16, base_channels=32, channel_mult=(1, 2, 2), num_res_blocks=1,
-                 attn_resolutions=(4,), dropout=0.0, batch_size=64, max_steps=1000, lr=1e-3, warmup_steps=100,
-                 ema_decay=0.999, compile=False, log_every_steps=50, sample_every_steps=500, ckpt_every_steps=500,
-                 sampler="ddim", sample_steps=100),
+    # small enough to learn the built-in shapes at 16x16 on 2 CPU cores in about 4 minutes: 2x2 patches,
+    # v-prediction on the cosine schedule, class labels with guidance, a high LR and small batches
+    "demo": dict(dataset="shapes", image_size=16, patch_size=2, base_channels=64, channel_mult=(1, 2), num_res_blocks=1,
+                 attn_resolutions=(4,), dropout=0.0, num_classes=4, prediction="v", schedule="cosine",
+                 batch_size=32, max_steps=900, lr=2e-3, warmup_steps=100, ema_decay=0.999, compile=False,
+                 log_every_steps=50, sample_every_steps=450, ckpt_every_steps=450, sampler="ddim", sample_steps=50,
+                 guidance=2.0),
 }
 
 
@@ -441,21 +444,25 @@ def measure_matmul_flops(device, dtype):
     """
     key = (str(device), dtype)
     if key not in _matmul_cache:
-        n, best = 256, 0.0
-        while True:
-            a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-            timer = StepTimer(device)
-            for _ in range(5):
-                timer.start()
-                a @ b
-                timer.stop()
-            sec = min(timer.read_ms()[1:]) / 1e3  # first call is warm-up
-            best = max(best, 2 * n**3 / sec)
-            if sec >= 0.05 or n >= 8192:
-                break
-            n *= 2
-        _matmul_cache[key] = best
+        _matmul_cache[key] = _time_matmuls(device, dtype)
     return _matmul_cache[key]
+
+
+def _time_matmuls(device, dtype):
+    g = torch.Generator(device).manual_seed(0)  # its own generator: measuring never moves the training RNG
+    n, best = 256, 0.0
+    while True:
+        a, b = (torch.randn(n, n, device=device, generator=g).to(dtype) for _ in range(2))
+        timer = StepTimer(device)
+        for _ in range(5):
+            timer.start()
+            a @ b
+            timer.stop()
+        sec = min(timer.read_ms()[1:]) / 1e3  # the first call is warm-up
+        best = max(best, 2 * n**3 / sec)
+        if sec >= 0.05 or n >= 8192:
+            return best
+        n *= 2
 
 
 def cpu_has_bf16():
@@ -500,6 +507,7 @@ def train_flops_per_image(mc, attention="sdpa"):
     return counter.get_total_flops()
 
 
+@torch.random.fork_rng(devices=[])  # building a model must not move the training RNG (exact resume)
 def torchinfo_flops_per_image(mc):
     """The reference repo's estimate: torchinfo's forward mult-adds x 2 FLOPs x 3 (forward + backward).
     It sees only nn.Module layers, so it misses the attention matmuls: shown beside the count above."""
@@ -719,7 +727,8 @@ def train(mc, tc, preset="custom"):
     step = 0
     if tc.resume:
         ckpt = torch.load(ckpt_path, map_location=device, weights_only=True)
-        changed = [k for k, v in asdict(mc).items() if ckpt["model_config"].get(k) != (list(v) if isinstance(v, tuple) else v)]
+        as_list = lambda v: list(v) if isinstance(v, (tuple, list)) else v  # noqa: E731
+        changed = [k for k, v in asdict(mc).items() if as_list(ckpt["model_config"].get(k)) != as_list(v)]
         if changed:
             raise ConfigError(f"--resume: the model config differs from the checkpoint's in {', '.join(changed)}")
         model.load_state_dict(ckpt["model"])
@@ -757,7 +766,7 @@ def train(mc, tc, preset="custom"):
         y = torch.arange(tc.num_samples, device=device) % mc.num_classes if mc.num_classes > 0 else None
         g = torch.Generator().manual_seed(tc.seed)  # the same noise every time: grids are comparable across steps
         x = diffusion.sample(ema_model, (tc.num_samples, mc.channels, mc.image_size, mc.image_size),
-                             sampler=tc.sampler, steps=tc.sample_steps or None, y=y, generator=g)
+                             sampler=tc.sampler, steps=tc.sample_steps or None, y=y, guidance=tc.guidance, generator=g)
         save_grid(x, os.path.join(out_dir, f"samples_{step:07d}.png"))
 
     def save_checkpoint(step):
