@@ -636,12 +636,20 @@ def environment(device):
         "torch": torch.__version__,
         "torchvision": torchvision.__version__,
         "numpy": numpy.__version__,
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
         "cpu_threads": torch.get_num_threads(),
         "cuda": torch.version.cuda,
         "hostname": platform.node(),
         "argv": sys.argv,
     }
+
+
+def cpu_name():
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "cpu"
 
 
 def atomic_save(obj, path):
@@ -756,7 +764,9 @@ def train(mc, tc, preset="custom"):
     with open(os.path.join(out_dir, "config.json" if not tc.resume else f"config-resume-{step}.json"), "w") as f:
         json.dump(info, f, indent=2)
     print(f"{out_dir}: {n_params / 1e6:.2f}M parameters, {len(images)} images, {device} {precision}, "
-          f"{flops_per_step / tc.batch_size / 1e9:.2f} GFLOP/image (fwd+bwd), MFU against {peak / 1e12:.3g} TFLOP/s ({peak_source})")
+          f"{flops_per_step / tc.batch_size / 1e9:.3g} GFLOP/image fwd+bwd counted "
+          f"(torchinfo x3 estimate: {info['resolved']['torchinfo_flops_per_image_x3'] / 1e9:.3g}), "
+          f"MFU against {peak / 1e12:.3g} TFLOP/s ({peak_source})")
 
     def ema_model(z, t, y):
         with autocast(device, precision):
