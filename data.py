@@ -10,6 +10,8 @@ Three sources, all ending as an (N, 3, H, W) uint8 tensor plus (N,) int64 labels
 - 'shapes':  a built-in procedural dataset (coloured shapes on striped gradient backgrounds),
              deterministic, any resolution, no download: the offline demo data.
 """
+import hashlib
+import json
 import math
 import os
 
@@ -150,53 +152,317 @@ def load_dataset(name, data_dir, image_size, shapes_count=50_000, train=True):
 
 
 # -----------------------------------------------------------------------------
-# the loader
+# FFCV .beton files: written once per (dataset, split, resolution), then reused
+
+
+def ffcv_available():
+    try:
+        import ffcv  # noqa: F401
+
+        return True
+    except ImportError:  # not installed, or its native libraries (libturbojpeg, OpenCV) are missing
+        return False
+
+
+def write_beton(images, labels, path, num_workers=2):
+    """(N, 3, H, W) uint8 images and (N,) labels -> an FFCV .beton (RGBImageField + IntField).
+
+    Up to 64 px the pixels are stored raw, so they load back bit-exact; larger images are stored
+    as JPEG at quality 90. The file appears under its name only once complete (temp file, rename).
+    """
+    from ffcv.fields import IntField, RGBImageField
+    from ffcv.writer import DatasetWriter
+
+    class Rows:  # the indexed dataset DatasetWriter reads: (HWC uint8 array, int label)
+        def __init__(self):
+            self.x, self.y = images.permute(0, 2, 3, 1).numpy(), labels.numpy()
+
+        def __len__(self):
+            return len(self.x)
+
+        def __getitem__(self, i):
+            return self.x[i], int(self.y[i])
+
+    raw = images.shape[-1] <= 64
+    field = RGBImageField(write_mode="raw") if raw else RGBImageField(write_mode="jpg", jpeg_quality=90)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    DatasetWriter(tmp, {"image": field, "label": IntField()}, num_workers=num_workers).from_indexed_dataset(Rows())
+    os.replace(tmp, path)
+
+
+def beton_name(dataset, data_dir, image_size, shapes_count, train):
+    """A name that changes whenever the contents would: dataset, split, resolution (and source files)."""
+    name = f"{dataset}-{'train' if train else 'test'}-{image_size}px"
+    if dataset == "shapes":
+        name += f"-n{shapes_count}"
+    if dataset == "folder":  # the folder's files, sizes and modification times
+        h = hashlib.sha1(os.path.abspath(data_dir).encode())
+        for dirpath, _, names in sorted(os.walk(data_dir)):
+            for n in sorted(names):
+                st = os.stat(os.path.join(dirpath, n))
+                h.update(f"{os.path.relpath(os.path.join(dirpath, n), data_dir)}:{st.st_size}:{st.st_mtime_ns}".encode())
+        name += f"-{h.hexdigest()[:12]}"
+    return name + ".beton"
+
+
+def beton_for(dataset, data_dir, image_size, beton_dir, shapes_count=50_000, train=True):
+    """-> (path of a finished .beton, num_classes), writing it first if it is not cached yet."""
+    path = os.path.join(beton_dir, beton_name(dataset, data_dir, image_size, shapes_count, train))
+    meta = path + ".json"
+    if not (os.path.exists(path) and os.path.exists(meta)):
+        images, labels, num_classes = load_dataset(dataset, data_dir, image_size, shapes_count, train)
+        os.makedirs(beton_dir, exist_ok=True)
+        with open(meta, "w") as f:  # written first: a beton under its final name always has its metadata
+            json.dump({"num_classes": num_classes, "images": len(images), "image_size": image_size}, f)
+        print(f"writing {path} ({len(images)} images)")
+        write_beton(images, labels, path)
+    with open(meta) as f:
+        return path, json.load(f)["num_classes"]
+
+
+# -----------------------------------------------------------------------------
+# the loaders
+
+
+def epoch_plan(seed, epoch, n):
+    """Epoch `epoch`'s order (a permutation of range(n)) and flips (one bit per image).
+
+    A function of (seed, epoch) alone, so every loader, and every resumed run, sees the same batches.
+    torch seeds its CPU generator from 32 bits: hash (seed, epoch) into them rather than add them.
+    """
+    g = torch.Generator().manual_seed(int(np.random.SeedSequence([seed, epoch]).generate_state(1)[0]))
+    return torch.randperm(n, generator=g), torch.rand(n, generator=g) < 0.5
+
+
+def shard(order, n):
+    """This rank's share of an epoch's order under torch.distributed (all of it otherwise)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return order
+    rank, world = dist.get_rank(), dist.get_world_size()
+    return order[rank::world][: n // world]
 
 
 class Loader:
     """Endless shuffled batches (drop_last) with random horizontal flips, normalised on the device.
 
-    Epoch e's order and flips come from a generator seeded with (seed, e), so (epoch, index) is the
-    loader's whole state: a run resumed mid-epoch sees exactly the batches it would have seen.
+    This is the plain torch path: the uint8 images live in memory and a batch is one gather.
+    The position (epoch, index) is the loader's whole state: with `epoch_plan`, a run resumed
+    mid-epoch sees exactly the batches it would have seen.
     """
 
     def __init__(self, images, labels, batch_size, seed, device, hflip=True, with_labels=False):
-        if batch_size > len(images):
-            raise DataError(f"batch_size {batch_size} exceeds the dataset's {len(images)} images")
         self.images, self.labels = images, labels
-        self.batch_size, self.seed, self.hflip, self.with_labels = batch_size, seed, hflip, with_labels
-        self.device = torch.device(device)
-        self.pin = self.device.type == "cuda"
-        self.epoch, self.index = 0, 0
-        self._new_epoch()
+        self._init_state(len(images), batch_size, seed, device, hflip, with_labels)
 
-    def _new_epoch(self):
-        # torch seeds its CPU generator from 32 bits: hash (seed, epoch) into them rather than add
-        g = torch.Generator().manual_seed(int(np.random.SeedSequence([self.seed, self.epoch]).generate_state(1)[0]))
-        self.order = torch.randperm(len(self.images), generator=g)
-        self.flips = torch.rand(len(self.images), generator=g) < 0.5
+    def _init_state(self, n, batch_size, seed, device, hflip, with_labels):
+        if batch_size > n:
+            raise DataError(f"batch_size {batch_size} exceeds the dataset's {n} images")
+        self.n, self.batch_size, self.seed, self.hflip, self.with_labels = int(n), batch_size, seed, hflip, with_labels
+        self.device = torch.device(device)
+        self.epoch, self.index = 0, 0
+        self._start_epoch()
+
+    def _start_epoch(self):
+        order, self.flips = epoch_plan(self.seed, self.epoch, self.n)
+        self.order = shard(order, self.n)
 
     def state_dict(self):
         return {"epoch": self.epoch, "index": self.index}
 
     def load_state_dict(self, state):
         self.epoch, self.index = state["epoch"], state["index"]
-        self._new_epoch()
+        self._start_epoch()
 
     def next(self):
         """-> (x0 (B, C, H, W) float32 in [-1, 1], y (B,) int64 or None), both on the device."""
-        if self.index + self.batch_size > len(self.images):  # drop_last
+        if self.index + self.batch_size > len(self.order):  # drop_last
             self.epoch, self.index = self.epoch + 1, 0
-            self._new_epoch()
+            self._start_epoch()
         idx = self.order[self.index : self.index + self.batch_size]
-        flips = self.flips[self.index : self.index + self.batch_size]
         self.index += self.batch_size
+        x, y = self._fetch(idx)
+        return self._finish(x, y, self.flips[idx])
+
+    def _fetch(self, idx):
+        """The uint8 images and labels of dataset indices idx, on the device."""
         x = self.images[idx]
-        if self.pin:
+        if self.device.type == "cuda":
             x = x.pin_memory()
-        x = x.to(self.device, non_blocking=True).float().div_(127.5).sub_(1.0)
+        return x.to(self.device, non_blocking=True), self.labels[idx].to(self.device, non_blocking=True)
+
+    def _finish(self, x, y, flips):
+        """uint8 -> [-1, 1] and the flips, on the device, as contiguous NCHW whatever layout arrived
+        (FFCV's is channels_last), so both loaders hand training identical tensors. x₀ stays float32
+        even under bf16 autocast: q_sample's √ᾱ coefficients need it, and autocast casts at the first conv."""
+        x = x.to(torch.float32, memory_format=torch.contiguous_format).div_(127.5).sub_(1.0)
         if self.hflip:
             flips = flips.to(self.device, non_blocking=True)
             x = torch.where(flips[:, None, None, None], x.flip(3), x)
-        y = self.labels[idx].to(self.device, non_blocking=True) if self.with_labels else None
-        return x, y
+        return x, (y if self.with_labels else None)
+
+
+class FFCVLoader(Loader):
+    """The same batches as Loader, read from a .beton by FFCV's compiled, multi-threaded pipeline.
+
+    FFCV is handed the order of `epoch_plan` (its own orders are seeded differently), so both
+    loaders agree batch for batch; decoding, collation and the host-to-device copy run in FFCV's
+    worker threads, ahead of the training step.
+    """
+
+    def __init__(self, path, batch_size, seed, device, hflip=True, with_labels=False, num_workers=2):
+        from ffcv.fields.decoders import IntDecoder, SimpleRGBImageDecoder
+        from ffcv.loader import Loader as _FFCV
+        from ffcv.loader import OrderOption
+        from ffcv.traversal_order.base import TraversalOrder
+        from ffcv.transforms import Squeeze, ToDevice, ToTensor, ToTorchImage
+
+        device = torch.device(device)
+        on_gpu = device.type == "cuda"
+        self.ffcv = _FFCV(
+            path, batch_size=batch_size, num_workers=num_workers, order=OrderOption.SEQUENTIAL, drop_last=True,
+            os_cache=True, distributed=False,  # sharding is done by epoch_plan + shard, identically to Loader
+            pipelines={
+                "image": [SimpleRGBImageDecoder(), ToTensor(), ToDevice(device, non_blocking=on_gpu),
+                          ToTorchImage(channels_last=True)],
+                "label": [IntDecoder(), ToTensor(), Squeeze(), ToDevice(device, non_blocking=on_gpu)],
+            },
+        )
+        outer = self
+
+        class PlanOrder(TraversalOrder):
+            def sample_order(self, epoch):
+                return outer.order.numpy().astype("uint64")
+
+        # FFCV's constructor only accepts its built-in orders; swap ours in afterwards
+        self.ffcv.traversal_order = PlanOrder(self.ffcv)
+        self._init_state(self.ffcv.reader.num_samples, batch_size, seed, device, hflip, with_labels)
+
+    def _start_epoch(self):
+        super()._start_epoch()
+        self.ffcv.next_epoch = self.epoch
+        self.batches = iter(self.ffcv)
+        for _ in range(self.index // self.batch_size):  # resuming mid-epoch: skip what was already seen
+            next(self.batches)
+
+    def _fetch(self, idx):
+        return next(self.batches)  # FFCV follows self.order, so this batch holds images idx
+
+
+def make_loader(kind, dataset, data_dir, image_size, batch_size, seed, device, *, hflip=True, with_labels=False,
+                shapes_count=50_000, beton_dir="data/betons", num_workers=2):
+    """-> (loader, num_classes). kind 'ffcv' reads a cached .beton; 'torch', or 'ffcv' when ffcv cannot
+    be imported (said in one warning line), gathers from uint8 tensors in memory."""
+    if kind == "ffcv" and not ffcv_available():
+        print("warning: ffcv cannot be imported (see README: make setup); using the torch loader instead")
+        kind = "torch"
+    if kind == "ffcv":
+        path, num_classes = beton_for(dataset, data_dir, image_size, beton_dir, shapes_count)
+        return FFCVLoader(path, batch_size, seed, device, hflip, with_labels, num_workers), num_classes
+    images, labels, num_classes = load_dataset(dataset, data_dir, image_size, shapes_count)
+    return Loader(images, labels, batch_size, seed, device, hflip, with_labels), num_classes
+
+
+# -----------------------------------------------------------------------------
+# python data.py --dataset ... --out PATH.beton   |   python data.py --bench --data_dir FOLDER
+
+
+def bench(folder, image_size=32, batch_size=512, num_workers=2, epochs=3, beton_dir="data/betons"):
+    """Images/s of FFCV against the torch DataLoader on the same images, augmentation and workers.
+
+    Each loader runs `epochs` epochs; the first (worker start-up, FFCV's numba JIT) is reported
+    apart, the rate is the median of the rest. Every loader ends with [-1, 1] float batches with
+    random horizontal flips, on the CPU.
+    """
+    import statistics
+    import time
+
+    import torchvision
+    import torchvision.transforms as T
+    from PIL import Image
+
+    tf = T.Compose([T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize((0.5,) * 3, (0.5,) * 3)])
+
+    class InMemoryPIL(torch.utils.data.Dataset):  # what torchvision.datasets.CIFAR10 does per sample
+        def __init__(self, images, labels):
+            self.x, self.y = images.permute(0, 2, 3, 1).numpy(), labels.tolist()
+
+        def __len__(self):
+            return len(self.x)
+
+        def __getitem__(self, i):
+            return tf(Image.fromarray(self.x[i])), self.y[i]
+
+    def torch_epochs(ds):
+        dl = torch.utils.data.DataLoader(ds, batch_size=batch_size, shuffle=True, num_workers=num_workers, drop_last=True)
+        return [timed(lambda: iter(dl), len(dl)) for _ in range(epochs)]
+
+    def ours_epochs(loader):
+        per_epoch = loader.n // loader.batch_size
+        return [timed(lambda: (loader.next() for _ in range(per_epoch)), per_epoch) for _ in range(epochs)]
+
+    def timed(make_iter, n_batches):
+        t = time.perf_counter()
+        for _ in make_iter():
+            pass
+        return n_batches * batch_size / (time.perf_counter() - t)
+
+    t = time.perf_counter()
+    images, labels, _ = image_folder(folder, image_size)
+    print(f"decoded {len(images)} images in {time.perf_counter() - t:.1f} s")
+    t = time.perf_counter()
+    path, _ = beton_for("folder", folder, image_size, beton_dir)
+    print(f"beton ready in {time.perf_counter() - t:.1f} s: {path}")
+    rows = {
+        "torch DataLoader, ImageFolder (JPEG decode + per-sample transforms)":
+            torch_epochs(torchvision.datasets.ImageFolder(folder, transform=tf)),
+        "torch DataLoader, uint8 arrays in memory + per-sample transforms (as torchvision CIFAR10)":
+            torch_epochs(InMemoryPIL(images, labels)),
+        "ddpm Loader (uint8 tensor in memory, batched gather)": ours_epochs(Loader(images, labels, batch_size, 0, "cpu")),
+        "ddpm FFCVLoader (.beton, raw pixels)": ours_epochs(FFCVLoader(path, batch_size, 0, "cpu", num_workers=num_workers)),
+    }
+    base = statistics.median(rows["torch DataLoader, uint8 arrays in memory + per-sample transforms (as torchvision CIFAR10)"][1:])
+    print(f"\n{len(images)} images {image_size}px, batch {batch_size}, {num_workers} workers, {epochs} epochs each, "
+          f"{os.cpu_count()} CPUs\n")
+    print("| loader | first epoch img/s | img/s (median of later epochs) | vs in-memory DataLoader |\n|---|---|---|---|")
+    for name, rates in rows.items():
+        med = statistics.median(rates[1:])
+        print(f"| {name} | {rates[0]:,.0f} | {med:,.0f} | {med / base:.2f}x |")
+    return rows
+
+
+def main(argv=None):
+    import argparse
+
+    p = argparse.ArgumentParser(description="Write FFCV .beton files, or benchmark the loaders.")
+    p.add_argument("--dataset", choices=["cifar10", "folder", "shapes"], default="cifar10")
+    p.add_argument("--data_dir", default="data", help="download folder (cifar10) or image folder (folder)")
+    p.add_argument("--image_size", type=int, default=32, help="pixels; images are resized and centre-cropped to it")
+    p.add_argument("--split", choices=["train", "test"], default="train")
+    p.add_argument("--shapes_count", type=int, default=50_000, help="images in the built-in shapes dataset")
+    p.add_argument("--out", help="the .beton to write")
+    p.add_argument("--bench", action="store_true", help="compare FFCV with the torch DataLoader on --data_dir (a folder)")
+    p.add_argument("--batch_size", type=int, default=512)
+    p.add_argument("--num_workers", type=int, default=2)
+    p.add_argument("--epochs", type=int, default=3)
+    args = p.parse_args(argv)
+    try:
+        if args.bench:
+            bench(args.data_dir, args.image_size, args.batch_size, args.num_workers, args.epochs)
+        elif args.out:
+            if not ffcv_available():
+                raise DataError("ffcv cannot be imported: run make setup (it needs libturbojpeg0-dev libopencv-dev pkg-config)")
+            images, labels, _ = load_dataset(args.dataset, args.data_dir, args.image_size, args.shapes_count,
+                                             train=args.split == "train")
+            write_beton(images, labels, args.out)
+            print(f"wrote {args.out}: {len(images)} images, {args.image_size}px")
+        else:
+            raise DataError("give --out PATH.beton to write a beton, or --bench")
+    except DataError as e:
+        print(f"error: {e}", file=__import__("sys").stderr)
+        raise SystemExit(2)
+
+
+if __name__ == "__main__":
+    main()

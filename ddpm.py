@@ -31,7 +31,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from data import DataError, Loader, load_dataset
+from data import DataError, make_loader
 from unet import UNet
 
 # -----------------------------------------------------------------------------
@@ -68,6 +68,9 @@ class TrainerConfig:  # the run
     dataset: Literal["cifar10", "folder", "shapes"] = "cifar10"  # training data; 'shapes' is built in and offline
     data_dir: str = "data"                              # download folder ('cifar10') or the image folder ('folder')
     shapes_count: int = 50_000                          # images in the built-in 'shapes' dataset
+    loader: Literal["ffcv", "torch"] = "ffcv"           # FFCV from a cached .beton, or gathers from tensors in memory
+    beton_dir: str = "data/betons"                      # where .beton files are written once and reused
+    num_workers: int = 2                                # FFCV loader threads
     batch_size: int = 128                               # global batch size, images per optimizer step
     max_steps: int = 800_000                            # optimizer steps to train for
     lr: float = 2e-4                                    # peak AdamW learning rate
@@ -108,7 +111,7 @@ PRESETS = {
                  attn_resolutions=(4,), dropout=0.0, num_classes=4, prediction="v", schedule="cosine",
                  batch_size=32, max_steps=900, lr=2e-3, warmup_steps=100, ema_decay=0.999, compile=False,
                  log_every_steps=50, sample_every_steps=450, ckpt_every_steps=450, sampler="ddim", sample_steps=50,
-                 guidance=2.0),
+                 guidance=2.0, loader="torch"),  # in-memory shapes: no beton to write inside the 5-minute budget
 }
 
 
@@ -714,7 +717,6 @@ def train(mc, tc, preset="custom"):
     if precision == "bf16" and device.type == "cpu" and not cpu_has_bf16():
         print("warning: this CPU has no AVX512-BF16/AMX; bf16 will run far slower than --precision=fp32")
     set_matmul_precision(precision)
-    torch.manual_seed(tc.seed)
     out_dir = tc.out_dir or os.path.join("runs", f"{preset}-{time.strftime('%Y%m%d-%H%M%S')}")
     ckpt_path = os.path.join(out_dir, "ckpt.pt")
     if tc.resume and not os.path.exists(ckpt_path):
@@ -723,11 +725,13 @@ def train(mc, tc, preset="custom"):
         raise ConfigError(f"{out_dir} already holds a checkpoint: pass --resume to continue it, or choose another --out_dir")
     os.makedirs(out_dir, exist_ok=True)
 
-    images, labels, data_classes = load_dataset(tc.dataset, tc.data_dir, mc.image_size, tc.shapes_count)
-    if mc.num_classes > 0 and labels.max() >= mc.num_classes:
+    loader, data_classes = make_loader(tc.loader, tc.dataset, tc.data_dir, mc.image_size, tc.batch_size, tc.seed,
+                                       device, hflip=tc.hflip, with_labels=mc.num_classes > 0,
+                                       shapes_count=tc.shapes_count, beton_dir=tc.beton_dir, num_workers=tc.num_workers)
+    if mc.num_classes > 0 and mc.num_classes != data_classes:
         raise ConfigError(f"num_classes={mc.num_classes}, but dataset '{tc.dataset}' has {data_classes} classes")
-    loader = Loader(images, labels, tc.batch_size, tc.seed, device, tc.hflip, with_labels=mc.num_classes > 0)
 
+    torch.manual_seed(tc.seed)  # after the data set-up, whose libraries may draw from the global RNG
     model = UNet(mc, attention=tc.attention).to(device)
     ema = copy.deepcopy(model).requires_grad_(False).eval()
     diffusion = Diffusion(mc).to(device)
@@ -758,12 +762,13 @@ def train(mc, tc, preset="custom"):
         "resolved": {"out_dir": out_dir, "device": str(device), "precision": precision, "parameters": n_params,
                      "train_flops_per_image": flops_per_step // tc.batch_size,
                      "torchinfo_flops_per_image_x3": torchinfo_flops_per_image(mc),
-                     "peak_flops": peak, "peak_source": peak_source, "dataset_images": len(images)},
+                     "peak_flops": peak, "peak_source": peak_source, "dataset_images": loader.n,
+                     "loader": type(loader).__name__},
         "environment": environment(device),
     }
     with open(os.path.join(out_dir, "config.json" if not tc.resume else f"config-resume-{step}.json"), "w") as f:
         json.dump(info, f, indent=2)
-    print(f"{out_dir}: {n_params / 1e6:.2f}M parameters, {len(images)} images, {device} {precision}, "
+    print(f"{out_dir}: {n_params / 1e6:.2f}M parameters, {loader.n} images ({type(loader).__name__}), {device} {precision}, "
           f"{flops_per_step / tc.batch_size / 1e9:.3g} GFLOP/image fwd+bwd counted "
           f"(torchinfo x3 estimate: {info['resolved']['torchinfo_flops_per_image_x3'] / 1e9:.3g}), "
           f"MFU against {peak / 1e12:.3g} TFLOP/s ({peak_source})")
