@@ -92,3 +92,19 @@ def test_training_through_ffcv_equals_training_through_torch(tmp_path):
     b = torch.load(tmp_path / "torch" / "ckpt.pt", weights_only=True)["model"]
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert sorted(os.listdir(tmp_path / "b")) == ["shapes-train-16px-n64.beton", "shapes-train-16px-n64.beton.json"]
+
+
+def test_data_cli_writes_a_beton_and_rejects_bad_input(tmp_path):
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "s.beton"
+    r = subprocess.run([sys.executable, "data.py", "--dataset", "shapes", "--shapes_count", "40", "--image_size", "8",
+                        "--out", str(out)], cwd=root, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and out.exists(), r.stderr
+    loader = FFCVLoader(str(out), batch_size=8, seed=0, device="cpu")
+    assert loader.n == 40 and loader.next()[0].shape == (8, 3, 8, 8)
+    r = subprocess.run([sys.executable, "data.py", "--dataset", "folder", "--data_dir", str(tmp_path / "none"),
+                        "--out", str(tmp_path / "x.beton")], cwd=root, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [f"error: image folder '{tmp_path / 'none'}' does not exist"]
