@@ -350,6 +350,50 @@ class FFCVLoader(Loader):
         return next(self.batches)  # FFCV follows self.order, so this batch holds images idx
 
 
+def TYPICAL_TRANSFORM():
+    """The per-sample augmentation a typical torchvision pipeline applies."""
+    import torchvision.transforms as T
+
+    return T.Compose([T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize((0.5,) * 3, (0.5,) * 3)])
+
+
+class InMemoryPIL(torch.utils.data.Dataset):
+    """uint8 arrays in memory, one PIL image and transform per sample: what torchvision.datasets.CIFAR10 does."""
+
+    def __init__(self, images, labels):
+        self.x, self.y = images.permute(0, 2, 3, 1).numpy(), labels.tolist()
+        self.transform = TYPICAL_TRANSFORM()
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        from PIL import Image
+
+        return self.transform(Image.fromarray(self.x[i])), self.y[i]
+
+
+class DataLoaderAdapter:
+    """A typical torch DataLoader (shuffle, per-sample transforms, workers, pinned memory) behind the
+    loaders' next() interface: the baseline of benchmark.py."""
+
+    def __init__(self, images, labels, batch_size, device, with_labels=False, num_workers=2):
+        self.device, self.with_labels, self.n = torch.device(device), with_labels, len(images)
+        self.dl = torch.utils.data.DataLoader(InMemoryPIL(images, labels), batch_size=batch_size, shuffle=True,
+                                              num_workers=num_workers, drop_last=True,
+                                              pin_memory=self.device.type == "cuda", persistent_workers=num_workers > 0)
+        self.it = iter(self.dl)
+
+    def next(self):
+        try:
+            x, y = next(self.it)
+        except StopIteration:
+            self.it = iter(self.dl)
+            x, y = next(self.it)
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        return x, (y if self.with_labels else None)
+
+
 def make_loader(kind, dataset, data_dir, image_size, batch_size, seed, device, *, hflip=True, with_labels=False,
                 shapes_count=50_000, beton_dir="data/betons", num_workers=2):
     """-> (loader, num_classes). kind 'ffcv' reads a cached .beton; 'torch', or 'ffcv' when ffcv cannot
@@ -379,20 +423,6 @@ def bench(folder, image_size=32, batch_size=512, num_workers=2, epochs=3, beton_
     import time
 
     import torchvision
-    import torchvision.transforms as T
-    from PIL import Image
-
-    tf = T.Compose([T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize((0.5,) * 3, (0.5,) * 3)])
-
-    class InMemoryPIL(torch.utils.data.Dataset):  # what torchvision.datasets.CIFAR10 does per sample
-        def __init__(self, images, labels):
-            self.x, self.y = images.permute(0, 2, 3, 1).numpy(), labels.tolist()
-
-        def __len__(self):
-            return len(self.x)
-
-        def __getitem__(self, i):
-            return tf(Image.fromarray(self.x[i])), self.y[i]
 
     def torch_epochs(ds):
         dl = torch.utils.data.DataLoader(ds, batch_size=batch_size, shuffle=True, num_workers=num_workers, drop_last=True)
@@ -416,7 +446,7 @@ def bench(folder, image_size=32, batch_size=512, num_workers=2, epochs=3, beton_
     print(f"beton ready in {time.perf_counter() - t:.1f} s: {path}")
     rows = {
         "torch DataLoader, ImageFolder (JPEG decode + per-sample transforms)":
-            torch_epochs(torchvision.datasets.ImageFolder(folder, transform=tf)),
+            torch_epochs(torchvision.datasets.ImageFolder(folder, transform=TYPICAL_TRANSFORM())),
         "torch DataLoader, uint8 arrays in memory + per-sample transforms (as torchvision CIFAR10)":
             torch_epochs(InMemoryPIL(images, labels)),
         "ddpm Loader (uint8 tensor in memory, batched gather)": ours_epochs(Loader(images, labels, batch_size, 0, "cpu")),

@@ -513,8 +513,12 @@ def train_flops_per_image(mc, attention="sdpa"):
 @torch.random.fork_rng(devices=[])  # building a model must not move the training RNG (exact resume)
 def torchinfo_flops_per_image(mc):
     """The reference repo's estimate: torchinfo's forward mult-adds x 2 FLOPs x 3 (forward + backward).
-    It sees only nn.Module layers, so it misses the attention matmuls: shown beside the count above."""
-    import torchinfo
+    It sees only nn.Module layers, so it misses the attention matmuls: shown beside the count above.
+    None when torchinfo is not installed."""
+    try:
+        import torchinfo
+    except ImportError:
+        return None
 
     model = UNet(mc)
     x = torch.zeros(1, mc.channels, mc.image_size, mc.image_size)
@@ -770,7 +774,7 @@ def train(mc, tc, preset="custom"):
         json.dump(info, f, indent=2)
     print(f"{out_dir}: {n_params / 1e6:.2f}M parameters, {loader.n} images ({type(loader).__name__}), {device} {precision}, "
           f"{flops_per_step / tc.batch_size / 1e9:.3g} GFLOP/image fwd+bwd counted "
-          f"(torchinfo x3 estimate: {info['resolved']['torchinfo_flops_per_image_x3'] / 1e9:.3g}), "
+          f"(torchinfo x3 estimate: {(info['resolved']['torchinfo_flops_per_image_x3'] or float('nan')) / 1e9:.3g}), "
           f"MFU against {peak / 1e12:.3g} TFLOP/s ({peak_source})")
 
     def ema_model(z, t, y):

@@ -1,0 +1,209 @@
+"""The efficiency ladder: training throughput and MFU, one optimisation added per row.
+
+    python benchmark.py                          # preset 'seed' on the current device (the reference repo's UNet)
+    python benchmark.py --preset ho --json ho.json
+    python benchmark.py --device cpu             # a reduced ladder: small batches and iteration counts (~2 min)
+
+Rows, each adding one change to the row above (a skipped row adds nothing):
+  baseline (fp32, batch 128, eager, math attention, a typical torch DataLoader) -> scale up batch
+  -> torch.compile -> PyTorch SDPA -> bf16 autocast -> FFCV loading -> patch_size 2.
+Every row times the training step that ddpm.py runs (`train_step` + `ema_update`, data loading
+included), with CUDA events on a GPU: the median over `--iters` iterations after `--warmup`
+(compilation and warm-up stay off the clock). FLOPs are counted by torch.utils.flop_counter
+(attention included); the torchinfo x 3 column is the reference repo's estimate, which misses the
+attention matmuls. MFU = counted FLOP/s / peak: the datasheet peak for the row's precision
+(A100/H100/H200; fp32 rows use the non-tensor-core fp32 peak) and the matmul rate measured on the
+device in the row's dtype.
+
+Measured results are in BENCHMARKS.md.
+"""
+import argparse
+import dataclasses
+import datetime
+import gc
+import json
+import statistics
+import sys
+
+import torch
+
+import data
+import ddpm
+from unet import UNet
+
+# (name, the change it makes to the row above); batch "max" searches the largest batch that fits
+LADDER = [
+    ("baseline", dict(precision="fp32", compile=False, attention="math", loader="dataloader", batch="base")),
+    ("scale up batch", dict(batch="max")),
+    ("torch.compile", dict(compile=True)),
+    ("PyTorch SDPA", dict(attention="sdpa", batch="max")),
+    ("bf16 autocast", dict(precision="bf16", batch="max")),
+    ("FFCV loading", dict(loader="ffcv")),
+    ("patch_size 2", dict(patch_size=2)),
+]
+
+
+def build(mc, row, batch, device, images, labels, beton):
+    """Model, diffusion, optimizer, EMA and loader for one row, exactly as ddpm.train sets them up."""
+    torch.manual_seed(0)
+    model = UNet(mc, attention=row["attention"]).to(device)
+    ema = UNet(mc, attention=row["attention"]).to(device).requires_grad_(False)
+    tc = ddpm.TrainerConfig(batch_size=batch)
+    opt = ddpm.make_optimizer(model, tc, device)
+    forward = torch.compile(model) if row["compile"] else model
+    with_labels = mc.num_classes > 0
+    if row["loader"] == "dataloader":
+        loader = data.DataLoaderAdapter(images, labels, batch, device, with_labels)
+    else:
+        loader = data.FFCVLoader(beton, batch, 0, device, with_labels=with_labels)
+    return model, ema, ddpm.Diffusion(mc).to(device), opt, forward, loader
+
+
+def time_steps(mc, row, batch, device, images, labels, beton, warmup, iters):
+    """Median ms of one training iteration (data + train_step + EMA) and the peak memory in GB."""
+    model, ema, diffusion, opt, forward, loader = build(mc, row, batch, device, images, labels, beton)
+    ddpm.set_matmul_precision(row["precision"])
+    timer = ddpm.StepTimer(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    for i in range(warmup + iters):
+        if i >= warmup:
+            timer.start()
+        x0, y = loader.next()
+        ddpm.train_step(forward, diffusion, opt, x0, y, row["precision"], grad_clip=1.0)
+        ddpm.ema_update(ema, model, 0.9999)
+        if i >= warmup:
+            timer.stop()
+    ms = statistics.median(timer.read_ms())  # note: a sync point
+    mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    return ms, mem
+
+
+def free_memory(device):
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def largest_batch(mc, row, device, images, labels, beton, start, limit):
+    """The largest power-of-two batch (from `start`, at most `limit`) whose eager step fits in memory."""
+    best, batch = None, start
+    eager = {**row, "compile": False}
+    while batch <= limit:
+        try:
+            time_steps(mc, eager, batch, device, images, labels, beton, warmup=1, iters=1)
+            best, batch = batch, batch * 2
+        except torch.cuda.OutOfMemoryError:
+            break
+        finally:
+            free_memory(device)
+    return best
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="The efficiency ladder with MFU.")
+    p.add_argument("--preset", default="seed", choices=list(ddpm.PRESETS))
+    p.add_argument("--device", default="auto", help="'auto', 'cuda', 'cpu', ...")
+    p.add_argument("--batch", type=int, default=0, help="batch for the scaled-up rows; 0 = search the largest that fits (GPU)")
+    p.add_argument("--base_batch", type=int, default=0, help="baseline batch; 0 = 128 on a GPU, 4 on the CPU")
+    p.add_argument("--iters", type=int, default=0, help="timed iterations per row; 0 = 50 on a GPU, 3 on the CPU")
+    p.add_argument("--warmup", type=int, default=0, help="untimed iterations per row; 0 = 10 on a GPU, 1 on the CPU")
+    p.add_argument("--max_batch", type=int, default=16384, help="upper limit of the batch search")
+    p.add_argument("--skip", default="", help="comma-separated row names to skip, e.g. 'torch.compile'")
+    p.add_argument("--cpu_compile", action="store_true", help="also run the torch.compile row on the CPU")
+    p.add_argument("--json", help="write the rows to this file")
+    args = p.parse_args(argv)
+    try:
+        device = ddpm.resolve_device(args.device)
+        mc, _, _ = ddpm.parse_args(["--preset", args.preset])
+    except ddpm.ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    gpu = device.type == "cuda"
+    base_batch = args.base_batch or (128 if gpu else 4)
+    iters, warmup = args.iters or (50 if gpu else 3), args.warmup or (10 if gpu else 1)
+    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+
+    # the data: the built-in shapes at the preset's resolution, in memory and as a beton
+    images, labels, _ = data.shapes(max(4096, 4 * base_batch), mc.image_size)
+    beton = None
+    if data.ffcv_available():
+        beton, _ = data.beton_for("shapes", "", mc.image_size, "data/betons", shapes_count=len(images))
+    device_name = torch.cuda.get_device_name(device) if gpu else ddpm.cpu_name()
+    print(f"# {args.preset} on {device_name}, torch {torch.__version__}, {datetime.date.today()}\n")
+
+    rows, cfg, scaled_batch = [], {}, None
+    for name, change in LADDER:
+        trial = {**cfg, **change}
+        reason = None
+        if name in skip:
+            reason = "skipped by --skip"
+        elif trial["loader"] == "ffcv" and beton is None:
+            reason = "ffcv is not installed"
+        elif trial["precision"] == "bf16" and not (gpu and torch.cuda.is_bf16_supported()) and not (
+                device.type == "cpu" and ddpm.cpu_has_bf16()):
+            reason = "no bf16 hardware on this device"
+        elif trial["compile"] and not gpu and not args.cpu_compile:
+            reason = "compiling takes minutes on the CPU; --cpu_compile includes it"
+        if reason:
+            print(f"{name}: {reason}")
+            rows.append({"version": name, "skipped": reason})
+            continue
+        cfg = trial
+        mc_row = dataclasses.replace(mc, patch_size=cfg.get("patch_size", mc.patch_size))
+        if mc_row.patch_size != mc.patch_size:  # attention resolutions refer to the patched grid
+            mc_row = dataclasses.replace(mc_row, attn_resolutions=tuple(r // mc_row.patch_size for r in mc.attn_resolutions))
+        if cfg["batch"] == "base":
+            batch = base_batch
+        elif change.get("batch") == "max":
+            batch = args.batch or (largest_batch(mc_row, cfg, device, images, labels, beton, base_batch, args.max_batch)
+                                   if gpu else 2 * base_batch)
+            scaled_batch = batch
+        else:
+            batch = scaled_batch
+        if len(images) < batch * (warmup + iters):
+            images, labels, _ = data.shapes(batch * (warmup + iters), mc.image_size)
+        ms, mem = time_steps(mc_row, cfg, batch, device, images, labels, beton if cfg["loader"] == "ffcv" else None,
+                             warmup, iters)
+        free_memory(device)
+        flops = ddpm.train_flops_per_image(mc_row) * batch
+        info = ddpm.torchinfo_flops_per_image(mc_row)
+        dtype = torch.bfloat16 if cfg["precision"] == "bf16" else torch.float32
+        sheet = ddpm.datasheet_peak(device, cfg["precision"])
+        measured = ddpm.measure_matmul_flops(device, dtype)
+        row = {"version": name, "batch": batch, "precision": cfg["precision"], "compile": cfg["compile"],
+               "attention": cfg["attention"], "loader": cfg["loader"], "patch_size": mc_row.patch_size,
+               "step_ms": ms, "img_per_s": batch / ms * 1e3, "tflops": flops / ms / 1e9,
+               "tflops_torchinfo_x3": info * batch / ms / 1e9 if info else None,
+               "mfu_datasheet": ddpm.mfu(flops, ms / 1e3, sheet) if sheet else None,
+               "datasheet_peak_tflops": sheet / 1e12 if sheet else None,
+               "mfu_measured": ddpm.mfu(flops, ms / 1e3, measured), "measured_peak_tflops": measured / 1e12,
+               "peak_mem_gb": mem}
+        rows.append(row)
+        print(f"{name}: batch {batch}, {ms:.1f} ms/step, {row['img_per_s']:.1f} img/s, {row['tflops']:.3f} TFLOP/s",
+              flush=True)
+
+    base = next(r for r in rows if "skipped" not in r)
+    for r in rows:
+        if "skipped" not in r:
+            r["speedup"] = r["tflops"] / base["tflops"]
+    print("\n| version | batch | ms/step | img/s | TFLOP/s | TFLOP/s (torchinfo x3) | speedup | MFU (datasheet) | "
+          "MFU (measured matmul) | peak mem |\n|---|---|---|---|---|---|---|---|---|---|")
+    pct = lambda v: f"{100 * v:.2f}%" if v is not None else "n/a"  # noqa: E731
+    for r in rows:
+        if "skipped" in r:
+            print(f"| {r['version']} | skipped: {r['skipped']} | | | | | | | | |")
+            continue
+        info = f"{r['tflops_torchinfo_x3']:.3f}" if r["tflops_torchinfo_x3"] else "n/a"
+        mem = f"{r['peak_mem_gb']:.1f} GB" if r["peak_mem_gb"] is not None else "n/a"
+        print(f"| {r['version']} | {r['batch']} | {r['step_ms']:.1f} | {r['img_per_s']:.1f} | {r['tflops']:.3f} | {info} | "
+              f"{r['speedup']:.2f}x | {pct(r['mfu_datasheet'])} | {pct(r['mfu_measured'])} | {mem} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"preset": args.preset, "device": device_name, "torch": torch.__version__,
+                       "date": str(datetime.date.today()), "iters": iters, "warmup": warmup, "rows": rows}, f, indent=2)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""FLOP counting against an analytic count, and the CPU ladder's rows."""
+import json
+
+import pytest
+import torch
+from conftest import tiny_model
+
+import benchmark
+from ddpm import train_flops_per_image
+from unet import Attention, UNet
+
+
+def analytic_train_flops(mc):
+    """Forward FLOPs from the layer shapes (2 per multiply-add), then x3 for forward + backward,
+    less the input gradients nobody asks for (the image into conv_in, the sinusoids into time_mlp)."""
+    model = UNet(mc)
+    fwd, no_input_grad = {}, {model.conv_in, model.time_mlp[0]}
+
+    def hook(m, inputs, out):
+        x = inputs[0]
+        if isinstance(m, torch.nn.Conv2d):
+            f = 2 * m.out_channels * (m.in_channels // m.groups) * m.kernel_size[0] * m.kernel_size[1] * out.shape[-2] * out.shape[-1]
+        elif isinstance(m, torch.nn.Linear):
+            f = 2 * m.in_features * m.out_features * (x.numel() // m.in_features)
+        else:  # attention: Q Kᵀ and (softmax) V, each 2 · heads · L² · head_dim
+            L = x.shape[-2] * x.shape[-1]
+            f = 2 * 2 * m.heads * L * L * m.head_dim
+        fwd[m] = fwd.get(m, 0) + f
+
+    for m in model.modules():
+        if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear, Attention)):
+            m.register_forward_hook(hook)
+    y = torch.zeros(1, dtype=torch.long) if mc.num_classes else None
+    model(torch.zeros(1, mc.channels, mc.image_size, mc.image_size), torch.zeros(1, dtype=torch.long), y)
+    return sum(3 * f - (f if m in no_input_grad else 0) for m, f in fwd.items())
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(attn_heads=2, attn_resolutions=(16, 8)), dict(patch_size=2, attn_head_dim=8,
+                                                                                        attn_heads=4, num_classes=3)])
+@pytest.mark.parametrize("attention", ["sdpa", "math"])
+def test_flop_counter_matches_analytic_count(kw, attention):
+    mc = tiny_model(**kw)
+    if mc.patch_size == 2:
+        mc.attn_resolutions = (4,)
+    assert train_flops_per_image(mc, attention) == analytic_train_flops(mc)
+
+
+def test_cpu_ladder_rows_are_well_formed(tmp_path):
+    out = tmp_path / "ladder.json"
+    benchmark.main(["--preset", "demo", "--device", "cpu", "--iters", "2", "--warmup", "1", "--base_batch", "4",
+                    "--json", str(out)])
+    result = json.load(open(out))
+    names = [r["version"] for r in result["rows"]]
+    assert names == [name for name, _ in benchmark.LADDER]
+    ran = [r for r in result["rows"] if "skipped" not in r]
+    assert ran[0]["version"] == "baseline" and ran[0]["speedup"] == 1.0 and ran[0]["batch"] == 4
+    assert ran[0]["precision"] == "fp32" and ran[0]["attention"] == "math" and ran[0]["loader"] == "dataloader"
+    for r in ran:
+        assert r["step_ms"] > 0 and r["img_per_s"] > 0 and r["tflops"] > 0 and 0 < r["mfu_measured"] < 2
+        assert r["img_per_s"] == pytest.approx(r["batch"] / r["step_ms"] * 1e3)
+    skipped = {r["version"]: r["skipped"] for r in result["rows"] if "skipped" in r}
+    assert "torch.compile" in skipped  # off on the CPU unless --cpu_compile

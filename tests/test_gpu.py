@@ -1,0 +1,54 @@
+"""GPU-only checks; skipped cleanly without CUDA. scripts/gpu_bench.sh runs them on a GPU."""
+import json
+
+import pytest
+import torch
+from conftest import tiny_model, tiny_trainer
+
+from ddpm import StepTimer, train
+from unet import UNet
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def test_bf16_compiled_training_on_the_gpu(tmp_path):
+    out = tmp_path / "run"
+    train(tiny_model(num_classes=4), tiny_trainer(out, device="cuda", precision="bf16", compile=True, max_steps=20),
+          preset="test")
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert rows[-1]["loss"] < rows[0]["loss"] and rows[-1]["img_per_s"] > 0
+    cfg = json.load(open(out / "config.json"))
+    assert cfg["resolved"]["precision"] == "bf16" and cfg["resolved"]["peak_flops"] > 0
+
+
+def test_sdpa_matches_math_in_bf16_on_the_gpu():
+    mc = tiny_model(attn_heads=2, attn_resolutions=(16, 8))
+    a = UNet(mc, attention="sdpa").cuda().eval()
+    for p in a.parameters():
+        torch.nn.init.normal_(p, 0, 0.05)
+    b = UNet(mc, attention="math").cuda().eval()
+    b.load_state_dict(a.state_dict())
+    x, t = torch.randn(4, 3, 16, 16, device="cuda"), torch.tensor([1, 10, 50, 99], device="cuda")
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        torch.testing.assert_close(a(x, t).float(), b(x, t).float(), rtol=5e-2, atol=5e-2)
+
+
+def test_cuda_event_timer():
+    timer = StepTimer("cuda")
+    x = torch.randn(2048, 2048, device="cuda")
+    for _ in range(3):
+        timer.start()
+        x @ x
+        timer.stop()
+    ms = timer.read_ms()
+    assert len(ms) == 3 and all(m > 0 for m in ms)
+
+
+def test_ffcv_loader_on_the_gpu(tmp_path):
+    pytest.importorskip("ffcv")
+    from data import FFCVLoader, shapes, write_beton
+
+    images, labels, _ = shapes(64, 16)
+    write_beton(images, labels, str(tmp_path / "s.beton"))
+    x, y = FFCVLoader(str(tmp_path / "s.beton"), 16, 0, "cuda", with_labels=True).next()
+    assert x.device.type == "cuda" and x.shape == (16, 3, 16, 16) and y.device.type == "cuda"
