@@ -322,7 +322,8 @@ class FFCVLoader(Loader):
         on_gpu = device.type == "cuda"
         self.ffcv = _FFCV(
             path, batch_size=batch_size, num_workers=num_workers, order=OrderOption.SEQUENTIAL, drop_last=True,
-            os_cache=True, distributed=False,  # sharding is done by epoch_plan + shard, identically to Loader
+            # under DDP, FFCV's distributed mode sizes the epoch per rank; the order itself is ours (shard)
+            os_cache=True, distributed=torch.distributed.is_available() and torch.distributed.is_initialized(),
             pipelines={
                 "image": [SimpleRGBImageDecoder(), ToTensor(), ToDevice(device, non_blocking=on_gpu),
                           ToTorchImage(channels_last=True)],
