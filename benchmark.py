@@ -15,7 +15,8 @@ attention matmuls. MFU = counted FLOP/s / peak: the datasheet peak for the row's
 (A100/H100/H200; fp32 rows use the non-tensor-core fp32 peak) and the matmul rate measured on the
 device in the row's dtype.
 
-Measured results are in BENCHMARKS.md.
+Measured (2026-12-02, 2 CPU cores, seed, reduced ladder): SDPA 2.2x and FFCV 3.6x the baseline's
+TFLOP/s, median of 3 runs; every result with its machine and date is in BENCHMARKS.md.
 """
 import argparse
 import dataclasses
@@ -111,7 +112,7 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=0, help="batch for the scaled-up rows; 0 = search the largest that fits (GPU)")
     p.add_argument("--base_batch", type=int, default=0, help="baseline batch; 0 = 128 on a GPU, 4 on the CPU")
     p.add_argument("--iters", type=int, default=0, help="timed iterations per row; 0 = 50 on a GPU, 3 on the CPU")
-    p.add_argument("--warmup", type=int, default=0, help="untimed iterations per row; 0 = 10 on a GPU, 1 on the CPU")
+    p.add_argument("--warmup", type=int, default=0, help="untimed iterations per row (compilation included); 0 = 10 on a GPU, 1 on the CPU")
     p.add_argument("--max_batch", type=int, default=16384, help="upper limit of the batch search")
     p.add_argument("--skip", default="", help="comma-separated row names to skip, e.g. 'torch.compile'")
     p.add_argument("--cpu_compile", action="store_true", help="also run the torch.compile row on the CPU")
@@ -135,6 +136,12 @@ def main(argv=None):
         beton, _ = data.beton_for("shapes", "", mc.image_size, "data/betons", shapes_count=len(images))
     device_name = torch.cuda.get_device_name(device) if gpu else ddpm.cpu_name()
     print(f"# {args.preset} on {device_name}, torch {torch.__version__}, {datetime.date.today()}\n")
+
+    def save(rows):
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"preset": args.preset, "device": device_name, "torch": torch.__version__,
+                           "date": str(datetime.date.today()), "iters": iters, "warmup": warmup, "rows": rows}, f, indent=2)
 
     rows, cfg, scaled_batch = [], {}, None
     for name, change in LADDER:
@@ -186,6 +193,7 @@ def main(argv=None):
         rows.append(row)
         print(f"{name}: batch {batch}, {ms:.1f} ms/step, {row['img_per_s']:.1f} img/s, {row['tflops']:.3f} TFLOP/s",
               flush=True)
+        save(rows)  # after every row, so a run cut short by a time limit keeps what it measured
 
     base = next(r for r in rows if "skipped" not in r)
     for r in rows:
@@ -204,10 +212,7 @@ def main(argv=None):
         mem = f"{r['peak_mem_gb']:.1f} GB" if r["peak_mem_gb"] is not None else "n/a"
         print(f"| {r['version']} | {r['batch']} | {r['step_ms']:.1f} | {r['img_per_s']:.1f} | {r['tflops']:.3f} | {info} | "
               f"{r['speedup']:.2f}x | {pct(r['mfu_datasheet'])} | {pct(r['mfu_measured'])} | {mem} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"preset": args.preset, "device": device_name, "torch": torch.__version__,
-                       "date": str(datetime.date.today()), "iters": iters, "warmup": warmup, "rows": rows}, f, indent=2)
+    save(rows)
     return rows
 
 

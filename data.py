@@ -9,6 +9,10 @@ Three sources, all ending as an (N, 3, H, W) uint8 tensor plus (N,) int64 labels
 - 'folder':  any folder of images; class subfolders become labels, a flat folder is class 0;
 - 'shapes':  a built-in procedural dataset (coloured shapes on striped gradient backgrounds),
              deterministic, any resolution, no download: the offline demo data.
+Training reads them through FFCV from a cached .beton (FFCVLoader) or from memory (Loader).
+
+Measured (2026-12-02, 2 CPU cores, CIFAR-10 train): FFCVLoader 78k img/s, 16.9x a typical torch
+DataLoader with per-sample transforms and 2 workers (`python data.py --bench`, BENCHMARKS.md).
 """
 import hashlib
 import json
