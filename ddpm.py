@@ -93,7 +93,7 @@ class TrainerConfig:  # the run
     sample_every_steps: int = 10_000                    # steps between EMA sample grids; 0 = only at the end
     ckpt_every_steps: int = 5000                        # steps between checkpoints; 0 = only at the end
     num_samples: int = 64                               # images per sample grid
-    sampler: Literal["ddpm", "ddim"] = "ddpm"           # sampler for the grids
+    sampler: Literal["ddpm", "ddim", "dpm++"] = "ddpm"  # sampler for the grids
     sample_steps: int = 0                               # sampler steps for the grids; 0 = all T
     guidance: float = 1.0                               # classifier-free guidance weight w for the grids; 1 = none
     seed: int = 0                                       # seeds the weights, the data order, the noise and the grids
@@ -300,11 +300,13 @@ class Diffusion(torch.nn.Module):
             return x0
         return extract(self.sqrt_alpha_bar, t, x0) * noise - extract(self.sqrt_one_minus_alpha_bar, t, x0) * x0  # v
 
-    def predict_x0_eps(self, out, z, t, clip=True):
+    def predict_x0_eps(self, out, z, t, threshold="static", percentile=0.995):
         """Network output at (z_t, t) -> (x̂₀, ε̂), using z_t = √ᾱ x₀ + √(1-ᾱ) ε.
 
-        With clip, x̂₀ is clipped to [-1, 1] and ε̂ recomputed from the clipped x̂₀, so the
-        pair stays consistent with z_t (as in Ho et al.'s and DDIM's samplers).
+        threshold: 'static' clips x̂₀ to [-1, 1]; 'dynamic' is Saharia et al. 2022's dynamic
+        thresholding (per sample, s = max(1, the `percentile` quantile of |x̂₀|), x̂₀ <- clip(x̂₀, -s, s) / s);
+        'none' leaves x̂₀ alone. After thresholding ε̂ is recomputed from x̂₀, so the pair stays
+        consistent with z_t (as in Ho et al.'s and DDIM's samplers).
         """
         a, s = extract(self.sqrt_alpha_bar, t, z), extract(self.sqrt_one_minus_alpha_bar, t, z)
         if self.cfg.prediction == "eps":
@@ -313,10 +315,15 @@ class Diffusion(torch.nn.Module):
             x0, eps = out, (z - a * out) / s
         else:  # v = √ᾱ ε − √(1−ᾱ) x₀  =>  x₀ = √ᾱ z − √(1−ᾱ) v,  ε = √(1−ᾱ) z + √ᾱ v
             x0, eps = a * z - s * out, s * z + a * out
-        if clip:
+        if threshold == "none":
+            return x0, eps
+        if threshold == "static":
             x0 = x0.clamp(-1, 1)
-            eps = (z - a * x0) / s
-        return x0, eps
+        elif threshold == "dynamic":
+            x0 = dynamic_threshold(x0, percentile)
+        else:
+            raise ValueError(f"unknown threshold '{threshold}'")
+        return x0, (z - a * x0) / s
 
     def loss(self, model, x0, y=None):
         """L = mean_b w_t ‖target − model(z_t, t, y)‖² / D, t ~ U{0..T-1}, ε ~ N(0, I) (Ho et al. Algorithm 1).
@@ -355,14 +362,20 @@ class Diffusion(torch.nn.Module):
         """q(x_{t-1} | x_t, x_0) for a batch of timesteps t: (B,)  (Ho et al. eq. 7)."""
         return self.q_posterior(x0, z, extract(self.alpha_bar, t, z), extract(self.alpha_bar_prev, t, z))
 
-    def timestep_sequence(self, steps=None):
-        """Descending timesteps to sample with: all T, or `steps` of them evenly spaced from T-1 to 0."""
+    def timestep_sequence(self, steps=None, spacing="time"):
+        """Descending timesteps to sample with: all T, or `steps` of them from T-1 to 0, evenly spaced
+        in t ('time') or in λ = log(α/σ) = ½ log SNR ('logsnr', Lu et al. 2022's choice for
+        pixel-space DPM-Solver); timesteps that coincide after rounding are taken once."""
         T = self.cfg.timesteps
         if not steps or steps == T:
             return list(range(T - 1, -1, -1))
         if not 1 <= steps <= T:
             raise ValueError(f"steps must lie in [1, {T}], got {steps}")
-        return sorted({round(i * (T - 1) / max(steps - 1, 1)) for i in range(steps)}, reverse=True)
+        if spacing == "time":
+            return sorted({round(i * (T - 1) / max(steps - 1, 1)) for i in range(steps)}, reverse=True)
+        lam = 0.5 * torch.log(self.alpha_bar / (1 - self.alpha_bar)).cpu()  # increasing as t falls
+        targets = torch.linspace(lam[-1].item(), lam[0].item(), steps, dtype=torch.float64)
+        return sorted({int((lam - v).abs().argmin()) for v in targets}, reverse=True)
 
     def guided(self, model, z, t, y, guidance):
         """The model output with classifier-free guidance: out_u + w (out_c - out_u) (Ho & Salimans 2022 eq. 6).
@@ -378,14 +391,19 @@ class Diffusion(torch.nn.Module):
 
     @torch.no_grad()
     def sample(self, model, shape, *, sampler="ddpm", steps=None, y=None, guidance=1.0, generator=None,
-               eta=0.0, clip=True):
+               eta=0.0, threshold="static", percentile=0.995):
         """Draw images in [-1, 1] of `shape` = (B, C, H, W), starting from z_T ~ N(0, I).
 
-        'ddpm': ancestral sampling (Ho et al. Algorithm 2) through the posterior of eq. 7 with x̂₀
-                plugged in, and σ² = β_t ('large') or β̃_t ('small'); with `steps` < T it runs on
-                the respaced chain of those timesteps (Nichol & Dhariwal 2021 §4).
-        'ddim': Song et al. 2021 eq. 12 on `steps` evenly spaced timesteps, with
-                σ = η √((1-ᾱ_s)/(1-ᾱ_t)) √(1 - ᾱ_t/ᾱ_s); η = 0 is deterministic.
+        'ddpm':  ancestral sampling (Ho et al. Algorithm 2) through the posterior of eq. 7 with x̂₀
+                 plugged in, and σ² = β_t ('large') or β̃_t ('small'); with `steps` < T it runs on
+                 the respaced chain of those timesteps (Nichol & Dhariwal 2021 §4).
+        'ddim':  Song et al. 2021 eq. 12 on `steps` evenly spaced timesteps, with
+                 σ = η √((1-ᾱ_s)/(1-ᾱ_t)) √(1 - ᾱ_t/ᾱ_s); η = 0 is deterministic.
+        'dpm++': DPM-Solver++(2M) (Lu et al. 2022, Algorithm 2): with α = √ᾱ, σ = √(1-ᾱ),
+                 λ = log(α/σ) and h = λ_s - λ_t, z_s = (σ_s/σ_t) z_t - α_s (e^{-h} - 1) D, where
+                 D = x̂₀ on the first step and (1 + 1/2r) x̂₀ - (1/2r) x̂₀_prev after, r = h_prev/h;
+                 its `steps` are evenly spaced in λ (timestep_sequence 'logsnr').
+        Every sampler ends with x̂₀ at t = 0, honours guidance and `threshold` (see predict_x0_eps).
         `generator` (on any device) makes the noise, and so the samples, reproducible.
         """
         device = self.alpha_bar.device
@@ -394,26 +412,41 @@ class Diffusion(torch.nn.Module):
         def randn():
             return torch.randn(shape, generator=generator, device=gen_device).to(device)
 
-        ts = self.timestep_sequence(steps)
+        ts = self.timestep_sequence(steps, spacing="logsnr" if sampler == "dpm++" else "time")
         alpha_bar = self.alpha_bar.tolist()  # python floats: the coefficients below are computed in float64
-        z = randn()
+        z, x0_prev, h_prev = randn(), None, None
         for i, t in enumerate(ts):
-            s = ts[i + 1] if i + 1 < len(ts) else -1
+            s = ts[i + 1] if i + 1 < len(ts) else -1  # -1: the clean image, ᾱ = 1
             ab_t, ab_s = alpha_bar[t], (alpha_bar[s] if s >= 0 else 1.0)
             tt = torch.full((shape[0],), t, device=device, dtype=torch.long)
-            x0, eps = self.predict_x0_eps(self.guided(model, z, tt, y, guidance), z, tt, clip)
-            if sampler == "ddpm":
+            x0, eps = self.predict_x0_eps(self.guided(model, z, tt, y, guidance), z, tt, threshold, percentile)
+            if s < 0:  # the last step lands on x̂₀ for every sampler
+                z = x0
+            elif sampler == "ddpm":
                 mean, var_small = self.q_posterior(x0, z, ab_t, ab_s)
                 var = var_small if self.cfg.reverse_variance == "small" else 1 - ab_t / ab_s
-                z = mean + var**0.5 * randn() if s >= 0 else mean  # no noise on the last step
+                z = mean + var**0.5 * randn()
             elif sampler == "ddim":
                 sigma = eta * ((1 - ab_s) / (1 - ab_t) * (1 - ab_t / ab_s)) ** 0.5
                 z = ab_s**0.5 * x0 + (1 - ab_s - sigma**2) ** 0.5 * eps
                 if sigma > 0:
                     z = z + sigma * randn()
+            elif sampler == "dpm++":
+                lam = lambda ab: 0.5 * math.log(ab / (1 - ab))  # noqa: E731  λ = log(α/σ)
+                h = lam(ab_s) - lam(ab_t)
+                D = x0 if x0_prev is None else (1 + h / (2 * h_prev)) * x0 - h / (2 * h_prev) * x0_prev
+                z = ((1 - ab_s) / (1 - ab_t)) ** 0.5 * z - ab_s**0.5 * math.expm1(-h) * D
+                x0_prev, h_prev = x0, h
             else:
                 raise ValueError(f"unknown sampler '{sampler}'")
         return z.clamp(-1, 1)
+
+
+def dynamic_threshold(x0, percentile=0.995):
+    """Saharia et al. 2022 §2.3: s = max(1, quantile_p |x̂₀|) per sample; x̂₀ <- clip(x̂₀, -s, s) / s."""
+    s = torch.quantile(x0.abs().flatten(1).float(), percentile, dim=1).clamp(min=1.0).to(x0.dtype)
+    s = s.view(-1, *([1] * (x0.dim() - 1)))
+    return torch.maximum(torch.minimum(x0, s), -s) / s
 
 
 # -----------------------------------------------------------------------------

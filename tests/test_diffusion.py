@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from ddpm import Diffusion, ModelConfig
+from ddpm import Diffusion, ModelConfig, dynamic_threshold
 
 
 def test_linear_schedule_matches_closed_form():
@@ -49,11 +49,11 @@ def test_prediction_round_trip(prediction):
     noise = torch.randn_like(x0)
     t = torch.randint(0, 1000, (64,))
     z = d.q_sample(x0, t, noise)
-    x0_hat, eps_hat = d.predict_x0_eps(d.target(x0, noise, t), z, t, clip=False)
+    x0_hat, eps_hat = d.predict_x0_eps(d.target(x0, noise, t), z, t, threshold="none")
     torch.testing.assert_close(x0_hat, x0, rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(eps_hat, noise, rtol=1e-9, atol=1e-9)
     # clipping keeps x̂₀ in range and ε̂ consistent with z_t
-    x0_c, eps_c = d.predict_x0_eps(d.target(3 * x0, noise, t), z, t, clip=True)
+    x0_c, eps_c = d.predict_x0_eps(d.target(3 * x0, noise, t), z, t)
     assert x0_c.abs().max() <= 1
     sa, so = d.alpha_bar[t].sqrt().view(-1, 1, 1, 1), (1 - d.alpha_bar[t]).sqrt().view(-1, 1, 1, 1)
     torch.testing.assert_close(sa * x0_c + so * eps_c, z)
@@ -124,7 +124,7 @@ def test_ddpm_matches_algorithm_2():
     for variance in ("large", "small"):
         d = Diffusion(ModelConfig(timesteps=50, reverse_variance=variance))
         shape = (4, 3, 4, 4)
-        ours = d.sample(eps_model, shape, generator=torch.Generator().manual_seed(3), clip=False)
+        ours = d.sample(eps_model, shape, generator=torch.Generator().manual_seed(3), threshold="none")
         g = torch.Generator().manual_seed(3)
         b = d.betas
         ab = d.alpha_bar
@@ -140,7 +140,7 @@ def test_ddpm_matches_algorithm_2():
 def test_ddim_matches_song_eq_12():
     d = Diffusion(ModelConfig(timesteps=100))
     shape = (4, 3, 4, 4)
-    ours = d.sample(eps_model, shape, sampler="ddim", steps=10, generator=torch.Generator().manual_seed(5), clip=False)
+    ours = d.sample(eps_model, shape, sampler="ddim", steps=10, generator=torch.Generator().manual_seed(5), threshold="none")
     x = torch.randn(shape, generator=torch.Generator().manual_seed(5)).double()
     seq = d.timestep_sequence(10)
     ab = d.alpha_bar
@@ -187,3 +187,69 @@ def test_sampler_determinism_and_guidance_identity():
     calls.clear()
     d.sample(model, (4, 3, 16, 16), sampler="ddim", steps=5, y=y, guidance=2.0, generator=torch.Generator().manual_seed(1))
     assert set(calls) == {8}  # guided: conditional and null-class halves in one batch
+
+
+def gaussian_denoiser(d, mu, s):
+    def x0_model(z, t, y):  # E[x0 | z_t] for N(μ, s²) data
+        ab = d.alpha_bar[t].view(-1, 1, 1, 1).to(z.dtype)
+        return mu + ab.sqrt() * s**2 / (ab * s**2 + 1 - ab) * (z - ab.sqrt() * mu)
+    return x0_model
+
+
+def test_dpm_solver_at_20_steps_recovers_gaussian_data_like_ddpm_at_1000():
+    mu, s = 0.3, 0.2
+    d = Diffusion(ModelConfig(prediction="x"))
+    model = gaussian_denoiser(d, mu, s)
+    dpm = d.sample(model, (20000, 1, 1, 1), sampler="dpm++", steps=20, generator=torch.Generator().manual_seed(0))
+    ddpm = d.sample(model, (20000, 1, 1, 1), sampler="ddpm", generator=torch.Generator().manual_seed(0))
+    for x in (dpm, ddpm):
+        assert x.mean().item() == pytest.approx(mu, abs=0.01)
+        assert x.std().item() == pytest.approx(s, rel=0.03)
+
+
+def test_dpm_solver_matches_lu_et_al_written_out():
+    """DPM-Solver++(2M) (Lu et al. 2022, Algorithm 2) in float64, on our λ-spaced timesteps."""
+    d = Diffusion(ModelConfig(timesteps=200, prediction="x"))
+    model = lambda z, t, y: 0.5 * torch.tanh(z) * (1 - t.view(-1, 1, 1, 1).to(z.dtype) / 400)  # noqa: E731
+    shape = (3, 2, 4, 4)
+    ours = d.sample(model, shape, sampler="dpm++", steps=12, threshold="none", generator=torch.Generator().manual_seed(7))
+    ts = d.timestep_sequence(12, spacing="logsnr")
+    ab = d.alpha_bar
+    alpha, sigma = ab.sqrt(), (1 - ab).sqrt()
+    lam = torch.log(alpha / sigma)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(7)).double()
+    prev = None
+    for i, t in enumerate(ts[:-1]):
+        s = ts[i + 1]
+        h = lam[s] - lam[t]
+        x0 = model(x, torch.full((3,), t), None)
+        if prev is None:
+            D = x0
+        else:
+            r = prev[1] / h
+            D = (1 + 1 / (2 * r)) * x0 - 1 / (2 * r) * prev[0]
+        x = sigma[s] / sigma[t] * x + alpha[s] * (1 - torch.exp(-h)) * D
+        prev = (x0, h)
+    x = model(x, torch.zeros(3, dtype=torch.long), None)
+    torch.testing.assert_close(ours.double(), x.clamp(-1, 1), rtol=1e-4, atol=1e-4)
+
+
+def test_first_dpm_solver_step_is_ddim():
+    d = Diffusion(ModelConfig(timesteps=100))
+    g = lambda: torch.Generator().manual_seed(2)  # noqa: E731
+    a = d.sample(eps_model, (2, 3, 4, 4), sampler="dpm++", steps=2, generator=g())
+    b = d.sample(eps_model, (2, 3, 4, 4), sampler="ddim", steps=2, generator=g())
+    torch.testing.assert_close(a, b)
+
+
+def test_dynamic_thresholding_matches_its_definition():
+    x0 = torch.stack([torch.linspace(-3, 3, 1000), torch.linspace(-0.5, 0.5, 1000)]).view(2, 1, 10, 100)
+    out = dynamic_threshold(x0, 0.995)
+    s = np.quantile(np.abs(x0[0].numpy()), 0.995)  # > 1: clip to ±s, then divide by s
+    np.testing.assert_allclose(out[0].numpy(), np.clip(x0[0].numpy(), -s, s) / s, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out[1], x0[1])  # s < 1 is raised to 1: in-range samples stay untouched
+    assert out.abs().max() <= 1
+    d = Diffusion(ModelConfig(prediction="x"))
+    z, t = torch.randn(2, 1, 10, 100), torch.tensor([500, 500])
+    x_hat, _ = d.predict_x0_eps(x0, z, t, threshold="dynamic")
+    torch.testing.assert_close(x_hat, out)
