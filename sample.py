@@ -1,0 +1,105 @@
+"""Generate images from a trained run: a PNG grid and an .npz of uint8 samples, from the EMA weights.
+
+    python sample.py --ckpt runs/demo-.../ema.pt --n 64 --sampler dpm++ --steps 20 --guidance 2 --out grid.png
+    python sample.py --ckpt runs/x/ckpt.pt --n 10000 --batch 500 --out samples.png   # writes samples.npz too
+
+--ckpt takes either checkpoint a run writes (ckpt.pt, the resumable state, or ema.pt, the export);
+both hold the EMA weights and the model config, and load with weights_only=True. Class-conditional
+models cycle through the classes unless --label fixes one. On a GPU the network runs under bf16
+autocast where the device supports it.
+
+Measured: see README.md (the demo grid) -- sampling cost is the network's forward FLOPs x steps.
+"""
+import argparse
+import os
+import sys
+
+import numpy as np
+import torch
+
+import ddpm
+from unet import UNet
+
+
+def load_ema(path, device):
+    """-> (UNet with the EMA weights, ModelConfig). Raises ddpm.ConfigError with one clear line."""
+    if not os.path.exists(path):
+        raise ddpm.ConfigError(f"no checkpoint at {path}")
+    try:
+        ckpt = torch.load(path, map_location=device, weights_only=True)
+        fields = {k: tuple(v) if isinstance(v, list) else v for k, v in ckpt["model_config"].items()}
+        state = ckpt["ema"]
+    except Exception as e:  # truncated, not a torch file, or not one of ours
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise ddpm.ConfigError(f"{path} is not a readable ddpm checkpoint ({type(e).__name__}: {first})") from None
+    try:
+        mc = ddpm.ModelConfig(**fields)
+        model = UNet(mc).to(device)
+        model.load_state_dict(state)
+    except (TypeError, RuntimeError) as e:
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise ddpm.ConfigError(f"{path}: its weights do not match its model config ({first})") from None
+    return model.eval().requires_grad_(False), mc
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Sample images from a trained ddpm run.")
+    p.add_argument("--ckpt", required=True, help="a run's ckpt.pt or ema.pt")
+    p.add_argument("--n", type=int, default=64, help="number of images")
+    p.add_argument("--sampler", choices=["ddpm", "ddim", "dpm++"], default="dpm++")
+    p.add_argument("--steps", type=int, default=20, help="sampler steps; 0 = all T")
+    p.add_argument("--eta", type=float, default=0.0, help="DDIM noise; 0 = deterministic")
+    p.add_argument("--guidance", type=float, default=1.0, help="classifier-free guidance weight w; 1 = none")
+    p.add_argument("--threshold", choices=["static", "dynamic", "none"], default="static",
+                   help="x0 clipping: static [-1, 1], dynamic (Saharia et al. 2022), or none")
+    p.add_argument("--percentile", type=float, default=0.995, help="dynamic thresholding percentile")
+    p.add_argument("--label", type=int, default=-1, help="class to sample; -1 = cycle through all classes")
+    p.add_argument("--batch", type=int, default=256, help="images per network call (memory)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--out", default="samples.png", help="grid PNG; the .npz is written beside it")
+    args = p.parse_args(argv)
+    try:
+        device = ddpm.resolve_device(args.device)
+        model, mc = load_ema(args.ckpt, device)
+        if not (0 <= args.steps <= mc.timesteps) or args.n < 1 or args.batch < 1:
+            raise ddpm.ConfigError(f"need n >= 1, batch >= 1 and 0 <= steps <= {mc.timesteps}")
+        if args.label >= mc.num_classes or (args.label >= 0 and mc.num_classes == 0):
+            raise ddpm.ConfigError(f"--label {args.label}: the model has {mc.num_classes} classes")
+    except ddpm.ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+    diffusion = ddpm.Diffusion(mc).to(device)
+    bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+
+    def net(z, t, y):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            return model(z, t, y)
+
+    if mc.num_classes > 0:
+        labels = torch.full((args.n,), args.label) if args.label >= 0 else torch.arange(args.n) % mc.num_classes
+    else:
+        labels = None
+    g = torch.Generator().manual_seed(args.seed)  # one CPU stream for all batches: reproducible on any device
+    images = []
+    for start in range(0, args.n, args.batch):
+        b = min(args.batch, args.n - start)
+        y = labels[start : start + b].to(device) if labels is not None else None
+        x = diffusion.sample(net, (b, mc.channels, mc.image_size, mc.image_size), sampler=args.sampler,
+                             steps=args.steps or None, y=y, guidance=args.guidance, generator=g, eta=args.eta,
+                             threshold=args.threshold, percentile=args.percentile)
+        images.append(((x + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).cpu())
+        print(f"{start + b}/{args.n} images", flush=True)
+    images = torch.cat(images)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    ddpm.save_grid(images[:256].float() / 127.5 - 1, args.out)
+    npz = os.path.splitext(args.out)[0] + ".npz"
+    np.savez(npz, images=images.permute(0, 2, 3, 1).numpy(),
+             labels=labels.numpy() if labels is not None else np.zeros(0, np.int64))
+    print(f"wrote {args.out} and {npz}: {args.n} images, {args.sampler} {args.steps or mc.timesteps} steps, "
+          f"guidance {args.guidance}")
+
+
+if __name__ == "__main__":
+    main()

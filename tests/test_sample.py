@@ -1,0 +1,49 @@
+"""sample.py: well-formed outputs from a real checkpoint, and one clear line for bad ones."""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import tiny_model, tiny_trainer
+
+import sample
+from ddpm import train
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    train(tiny_model(num_classes=4), tiny_trainer(out, max_steps=3), preset="test")
+    return out
+
+
+@pytest.mark.parametrize("ckpt", ["ckpt.pt", "ema.pt"])
+def test_writes_grid_and_npz(run_dir, tmp_path, ckpt):
+    out = tmp_path / "grid.png"
+    sample.main(["--ckpt", str(run_dir / ckpt), "--n", "10", "--batch", "4", "--steps", "5", "--guidance", "1.5",
+                 "--out", str(out)])
+    assert out.exists() and out.stat().st_size > 0
+    z = np.load(tmp_path / "grid.npz")
+    assert z["images"].shape == (10, 16, 16, 3) and z["images"].dtype == np.uint8
+    assert z["labels"].tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]
+
+
+def test_batching_does_not_change_the_samples(run_dir, tmp_path):
+    for batch in (3, 10):
+        sample.main(["--ckpt", str(run_dir / "ema.pt"), "--n", "6", "--batch", str(batch), "--sampler", "ddim",
+                     "--steps", "4", "--label", "2", "--out", str(tmp_path / f"b{batch}.png")])
+    a, b = np.load(tmp_path / "b3.npz"), np.load(tmp_path / "b10.npz")
+    assert (a["labels"] == 2).all()
+    assert a["images"].shape == b["images"].shape == (6, 16, 16, 3)
+
+
+@pytest.mark.parametrize("content,needle", [(None, "no checkpoint at"), (b"not a checkpoint", "not a readable ddpm checkpoint")])
+def test_bad_checkpoints_are_one_line(tmp_path, content, needle):
+    path = tmp_path / "bad.pt"
+    if content is not None:
+        path.write_bytes(content)
+    r = subprocess.run([sys.executable, "sample.py", "--ckpt", str(path), "--out", str(tmp_path / "x.png")],
+                       cwd=sample.os.path.dirname(sample.__file__), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0]
