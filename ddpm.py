@@ -62,6 +62,9 @@ class ModelConfig:  # the network and the diffusion process
     loss_weighting: Literal["none", "sqrt_snr", "min_snr"] = "none"  # none = MSE on the target; sqrt_snr / min_snr: see Diffusion
     min_snr_gamma: float = 5.0                          # gamma of the min_snr weighting (Hang et al. 2023)
     reverse_variance: Literal["large", "small"] = "large"  # sigma_t^2 of ancestral sampling: large = beta_t, small = posterior beta~_t
+    split_timestep: int = 0                             # model splitting (Luhman & Luhman §3.3): experts for t < S and t >= S; 0 = one model
+    split_snr: float = 0.0                              # alternative to split_timestep: S = first t with SNR(t) < split_snr (paper: 0.25); 0 = unused
+    split_part: Literal["low", "high"] = "low"          # which expert this model is: 'low' trains t < S, 'high' t >= S
 
 
 @dataclass
@@ -89,6 +92,7 @@ class TrainerConfig:  # the run
     attention: Literal["sdpa", "math"] = "sdpa"         # attention kernel: F.scaled_dot_product_attention, or explicit softmax
     out_dir: str = ""                                   # run folder; '' = runs/<preset>-<date>-<time>
     resume: bool = False                                # continue from out_dir/ckpt.pt
+    init_from: str = ""                                 # start model and EMA weights from this checkpoint (e.g. the other expert's); '' = fresh
     log_every_steps: int = 100                          # steps between metrics.jsonl lines (each is a GPU->CPU sync)
     sample_every_steps: int = 10_000                    # steps between EMA sample grids; 0 = only at the end
     ckpt_every_steps: int = 5000                        # steps between checkpoints; 0 = only at the end
@@ -159,6 +163,13 @@ def validate(mc, tc):
     for name in ("image_size", "channels", "patch_size", "base_channels", "num_res_blocks", "attn_heads", "batch_size"):
         check(getattr(mc if hasattr(mc, name) else tc, name) >= 1, f"{name} must be >= 1")
     check(mc.timesteps >= 2, "timesteps must be >= 2")
+    check(0 <= mc.split_timestep < mc.timesteps, f"split_timestep must lie in [0, timesteps={mc.timesteps})")
+    check(not (mc.split_timestep and mc.split_snr), "give split_timestep or split_snr, not both")
+    check(mc.split_snr >= 0, "split_snr must be >= 0")
+    try:
+        split_timestep(mc)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     check(len(mc.channel_mult) >= 1 and min(mc.channel_mult) >= 1, "channel_mult needs one or more positive entries")
     levels = len(mc.channel_mult)
     factor = mc.patch_size * 2 ** (levels - 1)
@@ -241,6 +252,36 @@ def beta_schedule(cfg):
     return (1 - f[1:] / f[:-1]).clamp(max=0.999)
 
 
+def split_timestep(cfg, snr=None):
+    """S of model splitting: split_timestep, or the first t whose SNR falls below split_snr; 0 = no split."""
+    if cfg.split_snr > 0:
+        snr = snr if snr is not None else (lambda ab: ab / (1 - ab))(torch.cumprod(1 - beta_schedule(cfg), 0))
+        below = (snr < cfg.split_snr).nonzero()
+        if len(below) == 0 or below[0].item() == 0:
+            raise ValueError(f"split_snr={cfg.split_snr} does not split the schedule's SNR range")
+        return int(below[0].item())
+    return cfg.split_timestep
+
+
+class SplitModel:
+    """Two experts as one `model(z_t, t, y)` for the samplers: t < S goes to `low`, t >= S to `high`."""
+
+    def __init__(self, low, high, split):
+        self.low, self.high, self.split = low, high, split
+
+    def __call__(self, z, t, y=None):
+        high = t >= self.split
+        if high.all():
+            return self.high(z, t, y)
+        if not high.any():
+            return self.low(z, t, y)
+        out_low = self.low(z[~high], t[~high], y[~high] if y is not None else None)
+        out_high = self.high(z[high], t[high], y[high] if y is not None else None)
+        out = torch.empty(z.shape, dtype=torch.promote_types(out_low.dtype, out_high.dtype), device=z.device)
+        out[~high], out[high] = out_low, out_high
+        return out
+
+
 def extract(buf, t, x):
     """buf[t] for a batch of timesteps t: (B,), shaped (B, 1, 1, 1) in x's dtype to broadcast against x."""
     return buf[t].to(x.dtype).view(-1, *([1] * (x.dim() - 1)))
@@ -270,6 +311,10 @@ class Diffusion(torch.nn.Module):
         }
         for name, value in buffers.items():
             self.register_buffer(name, value, persistent=False)
+        self.split = split_timestep(cfg, snr)
+        # the timesteps this model is trained on: all of them, or its expert's share [lo, hi)
+        lo, hi = (0, self.split) if cfg.split_part == "low" else (self.split, cfg.timesteps)
+        self.t_range = (lo, hi) if self.split else (0, cfg.timesteps)
 
     def _loss_weight(self, snr):
         """Per-timestep weight on the MSE of the configured target.
@@ -334,7 +379,7 @@ class Diffusion(torch.nn.Module):
         losses (detached) for per-quartile logging.
         """
         B = x0.shape[0]
-        t = torch.randint(0, self.cfg.timesteps, (B,), device=x0.device)
+        t = torch.randint(*self.t_range, (B,), device=x0.device)  # a split expert sees only its own range
         noise = torch.randn_like(x0)
         z = self.q_sample(x0, t, noise)
         if y is not None and self.cfg.p_uncond > 0:
@@ -781,6 +826,16 @@ def train(mc, tc, preset="custom"):
     diffusion = Diffusion(mc).to(device)
     opt = make_optimizer(model, tc, device)
     step = 0
+    if tc.init_from and not tc.resume:  # warm start, e.g. one expert from the other's checkpoint
+        if not os.path.exists(tc.init_from):
+            raise ConfigError(f"--init_from: no checkpoint at {tc.init_from}")
+        src = torch.load(tc.init_from, map_location=device, weights_only=True)
+        try:
+            model.load_state_dict(src["ema"])  # the averaged weights are the better starting point
+            ema.load_state_dict(src["ema"])
+        except (KeyError, RuntimeError) as e:
+            raise ConfigError(f"--init_from {tc.init_from}: weights do not fit this model ({str(e).splitlines()[0]})") from None
+        print(f"initialised from {tc.init_from}")
     if tc.resume:
         ckpt = torch.load(ckpt_path, map_location=device, weights_only=True)
         as_list = lambda v: list(v) if isinstance(v, (tuple, list)) else v  # noqa: E731
@@ -884,7 +939,7 @@ def train(mc, tc, preset="custom"):
         if step % tc.log_every_steps == 0 or step == tc.max_steps:
             step_ms = statistics.median(timer.read_ms() or [float("nan")])  # note: a CPU-GPU sync point
             row = {"step": step, "loss": loss_sum.item() / n_accum, "lr": lr,  # note: .item() is a sync point
-                   **{f"loss_q{q}": v for q, v in enumerate((q_sum / q_count.clamp(min=1)).tolist())},
+                   **{f"loss_q{q}": (a / c if c else None) for q, (a, c) in enumerate(zip(q_sum.tolist(), q_count.tolist()))},
                    "grad_norm": grad_norm.item() if grad_norm is not None else None,
                    "step_ms": step_ms, "img_per_s": tc.batch_size / step_ms * 1e3,
                    "tflops": flops_per_step / step_ms / 1e9, "mfu": mfu(flops_per_step, step_ms / 1e3, peak),

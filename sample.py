@@ -11,6 +11,7 @@ autocast where the device supports it.
 Measured: see README.md (the demo grid) -- sampling cost is the network's forward FLOPs x steps.
 """
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -45,6 +46,7 @@ def load_ema(path, device):
 def main(argv=None):
     p = argparse.ArgumentParser(description="Sample images from a trained ddpm run.")
     p.add_argument("--ckpt", required=True, help="a run's ckpt.pt or ema.pt")
+    p.add_argument("--ckpt_high", default="", help="with model splitting: the t >= S expert (--ckpt is then the t < S one)")
     p.add_argument("--n", type=int, default=64, help="number of images")
     p.add_argument("--sampler", choices=["ddpm", "ddim", "dpm++"], default="dpm++")
     p.add_argument("--steps", type=int, default=20, help="sampler steps; 0 = all T")
@@ -62,6 +64,16 @@ def main(argv=None):
     try:
         device = ddpm.resolve_device(args.device)
         model, mc = load_ema(args.ckpt, device)
+        if args.ckpt_high:  # model splitting: two experts, each used for its own timesteps
+            high, mc_high = load_ema(args.ckpt_high, device)
+            same = {k: v for k, v in dataclasses.asdict(mc).items() if k != "split_part"}
+            if same != {k: v for k, v in dataclasses.asdict(mc_high).items() if k != "split_part"}:
+                raise ddpm.ConfigError("--ckpt and --ckpt_high differ in more than split_part")
+            if (mc.split_part, mc_high.split_part) != ("low", "high") or not ddpm.split_timestep(mc):
+                raise ddpm.ConfigError("--ckpt must be a split model's 'low' expert and --ckpt_high its 'high' one")
+            model = ddpm.SplitModel(model, high, ddpm.split_timestep(mc))
+        elif ddpm.split_timestep(mc):
+            raise ddpm.ConfigError(f"{args.ckpt} is one expert of a split model: give the other with --ckpt_high")
         if not (0 <= args.steps <= mc.timesteps) or args.n < 1 or args.batch < 1:
             raise ddpm.ConfigError(f"need n >= 1, batch >= 1 and 0 <= steps <= {mc.timesteps}")
         if args.label >= mc.num_classes or (args.label >= 0 and mc.num_classes == 0):

@@ -253,3 +253,31 @@ def test_dynamic_thresholding_matches_its_definition():
     z, t = torch.randn(2, 1, 10, 100), torch.tensor([500, 500])
     x_hat, _ = d.predict_x0_eps(x0, z, t, threshold="dynamic")
     torch.testing.assert_close(x_hat, out)
+
+
+def test_split_experts_train_and_sample_only_their_timesteps():
+    from ddpm import SplitModel, split_timestep
+
+    low = Diffusion(ModelConfig(split_timestep=300, split_part="low"))
+    high = Diffusion(ModelConfig(split_timestep=300, split_part="high"))
+    seen = {}
+    for name, d in (("low", low), ("high", high)):
+        d.loss(lambda z, t, y: torch.zeros_like(z), torch.zeros(4096, 1, 1, 1))
+        seen[name] = d.last_t
+    assert seen["low"].max() == 299 and seen["low"].min() == 0
+    assert seen["high"].min() == 300 and seen["high"].max() == 999
+    # SNR threshold: S is the first t with SNR(t) < 0.25
+    mc = ModelConfig(split_snr=0.25)
+    S = split_timestep(mc)
+    snr = low.alpha_bar / (1 - low.alpha_bar)
+    assert snr[S] < 0.25 <= snr[S - 1]
+    # routing: every t goes to the right expert, also within one mixed batch
+    model = SplitModel(lambda z, t, y: torch.zeros_like(z), lambda z, t, y: torch.ones_like(z), 300)
+    t = torch.arange(1000)
+    out = model(torch.randn(1000, 1, 1, 1), t)
+    assert torch.equal(out.view(-1), (t >= 300).float())
+    calls = []
+    routed = SplitModel(lambda z, t, y: calls.append(("low", t.max().item())) or torch.zeros_like(z),
+                        lambda z, t, y: calls.append(("high", t.min().item())) or torch.zeros_like(z), 300)
+    high.sample(routed, (2, 1, 2, 2), sampler="ddim", steps=10)
+    assert all((part == "low") == (t < 300) for part, t in calls) and {p for p, _ in calls} == {"low", "high"}

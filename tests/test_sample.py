@@ -47,3 +47,15 @@ def test_bad_checkpoints_are_one_line(tmp_path, content, needle):
     assert r.returncode == 2 and "Traceback" not in r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0]
+
+
+def test_split_experts_warm_start_and_sample_together(tmp_path):
+    mc_low, mc_high = tiny_model(split_timestep=40), tiny_model(split_timestep=40, split_part="high")
+    train(mc_low, tiny_trainer(tmp_path / "low", max_steps=3), preset="test")
+    train(mc_high, tiny_trainer(tmp_path / "high", max_steps=3, init_from=str(tmp_path / "low" / "ckpt.pt")), preset="test")
+    out = tmp_path / "split.png"
+    sample.main(["--ckpt", str(tmp_path / "low" / "ema.pt"), "--ckpt_high", str(tmp_path / "high" / "ema.pt"),
+                 "--n", "4", "--steps", "6", "--out", str(out)])
+    assert np.load(tmp_path / "split.npz")["images"].shape == (4, 16, 16, 3)
+    with pytest.raises(SystemExit):  # one expert alone is refused
+        sample.main(["--ckpt", str(tmp_path / "low" / "ema.pt"), "--out", str(tmp_path / "x.png")])
