@@ -45,6 +45,7 @@ class ModelConfig:  # the network and the diffusion process
     image_size: int = 32                                # training resolution in pixels (square)
     channels: int = 3                                   # image channels
     patch_size: int = 1                                 # P: fold PxP patches into channels (Luhman & Luhman 2022); 1 = off
+    pos_emb: bool = False                               # add a fixed 2D sinusoidal position embedding after the input conv
     base_channels: int = 128                            # width of the first UNet level
     channel_mult: tuple[int, ...] = (1, 2, 2, 2)        # width multiplier per level; one level per entry
     num_res_blocks: int = 2                             # residual blocks per level on the way down
@@ -738,6 +739,16 @@ def cpu_name():
         return platform.processor() or "cpu"
 
 
+def load_checkpoint(path, device):
+    """torch.load with weights_only=True (a checkpoint can never run code); a bad file is one ConfigError line."""
+    if not os.path.exists(path):
+        raise ConfigError(f"no checkpoint at {path}")
+    try:
+        return torch.load(path, map_location=device, weights_only=True)
+    except Exception as e:  # truncated, corrupt, or not a torch file
+        raise ConfigError(f"cannot read checkpoint {path} ({type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]})") from None
+
+
 def atomic_save(obj, path):
     """torch.save to a temporary file, then rename: a crash mid-write never leaves a broken `path`."""
     tmp = f"{path}.tmp"
@@ -827,9 +838,7 @@ def train(mc, tc, preset="custom"):
     opt = make_optimizer(model, tc, device)
     step = 0
     if tc.init_from and not tc.resume:  # warm start, e.g. one expert from the other's checkpoint
-        if not os.path.exists(tc.init_from):
-            raise ConfigError(f"--init_from: no checkpoint at {tc.init_from}")
-        src = torch.load(tc.init_from, map_location=device, weights_only=True)
+        src = load_checkpoint(tc.init_from, device)
         try:
             model.load_state_dict(src["ema"])  # the averaged weights are the better starting point
             ema.load_state_dict(src["ema"])
@@ -837,7 +846,7 @@ def train(mc, tc, preset="custom"):
             raise ConfigError(f"--init_from {tc.init_from}: weights do not fit this model ({str(e).splitlines()[0]})") from None
         print(f"initialised from {tc.init_from}")
     if tc.resume:
-        ckpt = torch.load(ckpt_path, map_location=device, weights_only=True)
+        ckpt = load_checkpoint(ckpt_path, device)
         as_list = lambda v: list(v) if isinstance(v, (tuple, list)) else v  # noqa: E731
         changed = [k for k, v in asdict(mc).items() if as_list(ckpt["model_config"].get(k)) != as_list(v)]
         if changed:

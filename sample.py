@@ -24,15 +24,12 @@ from unet import UNet
 
 def load_ema(path, device):
     """-> (UNet with the EMA weights, ModelConfig). Raises ddpm.ConfigError with one clear line."""
-    if not os.path.exists(path):
-        raise ddpm.ConfigError(f"no checkpoint at {path}")
+    ckpt = ddpm.load_checkpoint(path, device)
     try:
-        ckpt = torch.load(path, map_location=device, weights_only=True)
         fields = {k: tuple(v) if isinstance(v, list) else v for k, v in ckpt["model_config"].items()}
         state = ckpt["ema"]
-    except Exception as e:  # truncated, not a torch file, or not one of ours
-        first = (str(e).strip().splitlines() or [""])[0]
-        raise ddpm.ConfigError(f"{path} is not a readable ddpm checkpoint ({type(e).__name__}: {first})") from None
+    except (KeyError, TypeError, AttributeError) as e:  # a torch file, but not one of ours
+        raise ddpm.ConfigError(f"{path} is not a ddpm checkpoint (no {e})") from None
     try:
         mc = ddpm.ModelConfig(**fields)
         model = UNet(mc).to(device)

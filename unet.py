@@ -44,6 +44,16 @@ def timestep_embedding(t, dim, max_period=10000.0):
     return emb
 
 
+def position_embedding_2d(channels, size):
+    """Fixed 2D sinusoidal embedding, (1, channels, size, size): half the channels encode the row,
+    half the column, each as timestep_embedding does; patched models use it to know where a patch lies."""
+    pos = torch.arange(size)
+    rows = timestep_embedding(pos, channels // 2)  # (size, C/2)
+    cols = timestep_embedding(pos, channels - channels // 2)
+    emb = torch.cat([rows[:, None, :].expand(size, size, -1), cols[None, :, :].expand(size, size, -1)], dim=-1)
+    return emb.permute(2, 0, 1)[None]
+
+
 class ResBlock(nn.Module):
     """GroupNorm-SiLU-conv, add the time embedding, GroupNorm-SiLU-dropout-conv, plus a skip."""
 
@@ -136,6 +146,8 @@ class UNet(nn.Module):
         # one extra class index, num_classes, is the "no label" class used by classifier-free guidance
         self.class_emb = nn.Embedding(cfg.num_classes + 1, temb_ch) if cfg.num_classes > 0 else None
         self.conv_in = nn.Conv2d(cfg.channels * P * P, ch, 3, padding=1)
+        if cfg.pos_emb:
+            self.register_buffer("pos_emb", position_embedding_2d(ch, cfg.image_size // P), persistent=False)
 
         widths = [ch * m for m in cfg.channel_mult]
         res = cfg.image_size // P  # resolution of the patched grid
@@ -181,6 +193,8 @@ class UNet(nn.Module):
             temb = temb + self.class_emb(y)
 
         h = self.conv_in(F.pixel_unshuffle(x, P) if P > 1 else x)  # (B, ch, H/P, W/P)
+        if self.cfg.pos_emb:
+            h = h + self.pos_emb.to(h.dtype)
         hs = [h]
         for level, down in zip(self.down, self.downsample):
             for res, attn in zip(level.res, level.attn):

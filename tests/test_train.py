@@ -56,3 +56,6 @@ def test_never_overwrites_a_checkpoint_and_checks_resume_config(tmp_path):
     assert (out / "ckpt.pt").read_bytes() == before
     with pytest.raises(ConfigError, match="no checkpoint"):
         train(tiny_model(), tiny_trainer(tmp_path / "empty", resume=True), preset="test")
+    (out / "ckpt.pt").write_bytes(before[: len(before) // 2])  # truncated: one clear error, not a traceback
+    with pytest.raises(ConfigError, match="cannot read checkpoint"):
+        train(tiny_model(), tiny_trainer(out, max_steps=4, resume=True), preset="test")

@@ -66,3 +66,18 @@ def test_sdpa_matches_math_attention(heads, head_dim):
 def test_default_is_the_papers_35_7M():
     n = sum(p.numel() for p in UNet(ModelConfig()).parameters())
     assert n == 35_746_307  # Ho et al. 2020, CIFAR-10: 35.7M
+
+
+def test_patch_8_and_position_embedding():
+    mc = tiny_model(image_size=64, patch_size=8, attn_resolutions=(4,), pos_emb=True)
+    model = randomise(UNet(mc))
+    x = torch.randn(2, 3, 64, 64)
+    assert model(x, torch.tensor([1, 2])).shape == x.shape
+    emb = model.pos_emb
+    assert emb.shape == (1, 16, 8, 8)
+    assert not torch.equal(emb[..., 0, 0], emb[..., 0, 1]) and not torch.equal(emb[..., 0, 0], emb[..., 1, 0])
+    assert torch.equal(emb[0, :8, 3, 0], emb[0, :8, 3, 5])  # the row half depends on the row only
+    # the embedding changes the output: the network can tell patches apart by position alone
+    plain = UNet(tiny_model(image_size=64, patch_size=8, attn_resolutions=(4,)))
+    plain.load_state_dict(model.state_dict())
+    assert not torch.allclose(plain(x, torch.tensor([1, 2])), model(x, torch.tensor([1, 2])))
