@@ -1,12 +1,10 @@
 """The three data sources and the loader."""
-import os
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
-import data
 from data import DataError, Loader, image_folder, load_dataset, shapes
 
 
