@@ -6,7 +6,7 @@
 
 Rows, each adding one change to the row above (a skipped row adds nothing):
   baseline (fp32, batch 128, eager, math attention, a typical torch DataLoader) -> scale up batch
-  -> torch.compile -> PyTorch SDPA -> bf16 autocast -> FFCV loading -> patch_size 2.
+  -> torch.compile -> PyTorch SDPA -> bf16 autocast -> FFCV loading -> patch_size P (--patch_size, 2).
 Every row times the training step that ddpm.py runs (`train_step` + `ema_update`, data loading
 included), with CUDA events on a GPU: the median over `--iters` iterations after `--warmup`
 (compilation and warm-up stay off the clock). FLOPs are counted by torch.utils.flop_counter
@@ -40,7 +40,7 @@ LADDER = [
     ("PyTorch SDPA", dict(attention="sdpa", batch="max")),
     ("bf16 autocast", dict(precision="bf16", batch="max")),
     ("FFCV loading", dict(loader="ffcv")),
-    ("patch_size 2", dict(patch_size=2)),
+    ("patch_size P", dict(patch_size="P")),  # P = --patch_size; same width and batch as the row above
 ]
 
 
@@ -115,6 +115,7 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=0, help="untimed iterations per row (compilation included); 0 = 10 on a GPU, 1 on the CPU")
     p.add_argument("--max_batch", type=int, default=16384, help="upper limit of the batch search")
     p.add_argument("--skip", default="", help="comma-separated row names to skip, e.g. 'torch.compile'")
+    p.add_argument("--patch_size", type=int, default=2, help="P of the last row, compared with P = 1 at the same width and batch")
     p.add_argument("--cpu_compile", action="store_true", help="also run the torch.compile row on the CPU")
     p.add_argument("--json", help="write the rows to this file")
     args = p.parse_args(argv)
@@ -161,9 +162,17 @@ def main(argv=None):
             rows.append({"version": name, "skipped": reason})
             continue
         cfg = trial
-        mc_row = dataclasses.replace(mc, patch_size=cfg.get("patch_size", mc.patch_size))
+        if name == "patch_size P":
+            name = f"patch_size {args.patch_size}"
+        mc_row = dataclasses.replace(mc, patch_size=args.patch_size if "patch_size" in cfg else mc.patch_size)
         if mc_row.patch_size != mc.patch_size:  # attention resolutions refer to the patched grid
             mc_row = dataclasses.replace(mc_row, attn_resolutions=tuple(r // mc_row.patch_size for r in mc.attn_resolutions))
+            try:
+                ddpm.validate(mc_row, ddpm.TrainerConfig())
+            except ddpm.ConfigError as e:
+                print(f"{name}: {e}")
+                rows.append({"version": name, "skipped": str(e)})
+                continue
         if cfg["batch"] == "base":
             batch = base_batch
         elif change.get("batch") == "max":

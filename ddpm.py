@@ -47,10 +47,10 @@ class ModelConfig:  # the network and the diffusion process
     patch_size: int = 1                                 # P: fold PxP patches into channels (Luhman & Luhman 2022); 1 = off
     pos_emb: bool = False                               # add a fixed 2D sinusoidal position embedding after the input conv
     base_channels: int = 128                            # width of the first UNet level
-    channel_mult: tuple[int, ...] = (1, 2, 2, 2)        # width multiplier per level; one level per entry
+    channel_mult: tuple[float, ...] = (1, 2, 2, 2)      # width multiplier per level (width = int(base x mult)); one level per entry
     num_res_blocks: int = 2                             # residual blocks per level on the way down
     attn_resolutions: tuple[int, ...] = (16,)           # resolutions of the patched grid that get self-attention
-    attn_heads: int = 1                                 # attention heads
+    attn_heads: int = 1                                 # attention heads; 0 = as many as the block's width / attn_head_dim
     attn_head_dim: int = 0                              # channels per head; 0 = the block's width / attn_heads
     dropout: float = 0.1                                # dropout in the residual blocks
     num_classes: int = 0                                # class-conditional with this many classes; 0 = unconditional
@@ -111,6 +111,27 @@ PRESETS = {
     # the reference efficiency repo's UNet: narrow, attention everywhere, big batches
     "seed": dict(base_channels=32, channel_mult=(1, 2, 4, 8), num_res_blocks=2, attn_resolutions=(32, 16, 8, 4),
                  attn_heads=4, attn_head_dim=32, dropout=0.0, batch_size=3072),
+    # Luhman & Luhman 2022, from the configurations their public code ships (its README and th_configs.py):
+    # x-prediction with the sqrt_snr weighting, 64-channel heads, attention on the 16x16 and 8x8 patched grids.
+    # They train on --dataset=folder --data_dir=<images>. Not carried over: ADM's learned variance and
+    # scale-shift norm (this is Ho et al.'s UNet), and FFHQ's custom 'linear0.025' schedule.
+    "lsun-p2": dict(dataset="folder", image_size=256, patch_size=2, base_channels=128, channel_mult=(1, 2, 2, 4, 4),
+                    num_res_blocks=2, attn_resolutions=(16, 8), attn_heads=0, attn_head_dim=64, dropout=0.0,
+                    prediction="x", loss_weighting="sqrt_snr", lr=1e-4, batch_size=128),
+    "lsun-p4": dict(dataset="folder", image_size=256, patch_size=4, base_channels=256, channel_mult=(1, 1, 2, 2),
+                    num_res_blocks=2, attn_resolutions=(16, 8), attn_heads=0, attn_head_dim=64, dropout=0.0,
+                    prediction="x", loss_weighting="sqrt_snr", lr=1e-4, batch_size=128),
+    "lsun-p8": dict(dataset="folder", image_size=256, patch_size=8, base_channels=256, channel_mult=(1, 1.5, 2),
+                    num_res_blocks=3, attn_resolutions=(16, 8), attn_heads=0, attn_head_dim=64, dropout=0.0,
+                    prediction="x", loss_weighting="sqrt_snr", lr=1e-4, batch_size=128),
+    # ImageNet-256: class-conditional with guidance, split at SNR 0.25 (train --split_part=low and =high)
+    "imagenet-p4": dict(dataset="folder", image_size=256, patch_size=4, base_channels=256, channel_mult=(1, 2, 2, 2),
+                        num_res_blocks=3, attn_resolutions=(16, 8), attn_heads=0, attn_head_dim=64, dropout=0.0,
+                        num_classes=1000, p_uncond=0.1, split_snr=0.25, prediction="x", loss_weighting="sqrt_snr",
+                        lr=1e-4, batch_size=128, guidance=1.5),
+    "ffhq-p4": dict(dataset="folder", image_size=1024, patch_size=4, base_channels=128, channel_mult=(1, 2, 2, 4, 4, 4),
+                    num_res_blocks=2, attn_resolutions=(16, 8), attn_heads=0, attn_head_dim=64, dropout=0.0,
+                    prediction="x", loss_weighting="sqrt_snr", lr=1e-4, batch_size=32),
     # small enough to learn the built-in shapes at 16x16 on 2 CPU cores in about 4 minutes: 2x2 patches,
     # v-prediction on the cosine schedule, class labels with guidance, a high LR and small batches
     "demo": dict(dataset="shapes", image_size=16, patch_size=2, base_channels=64, channel_mult=(1, 2), num_res_blocks=1,
@@ -143,7 +164,8 @@ def parse_value(name, text, typ):
                 raise ValueError("expected true or false")
             return text.lower() in ("1", "true", "yes", "on")
         if typing.get_origin(typ) is tuple:
-            return tuple(int(v) for v in text.split(",") if v.strip())
+            item = typing.get_args(typ)[0]  # tuple[int, ...] or tuple[float, ...]
+            return tuple(item(v) for v in text.split(",") if v.strip())
         return typ(text)
     except ValueError as e:
         raise ConfigError(f"--{name}={text}: {e}") from None
@@ -161,7 +183,7 @@ def validate(mc, tc):
             if typing.get_origin(typ) is Literal:
                 v = getattr(cfg, f.name)
                 check(v in typing.get_args(typ), f"{f.name}='{v}': choose one of {', '.join(typing.get_args(typ))}")
-    for name in ("image_size", "channels", "patch_size", "base_channels", "num_res_blocks", "attn_heads", "batch_size"):
+    for name in ("image_size", "channels", "patch_size", "base_channels", "num_res_blocks", "batch_size"):
         check(getattr(mc if hasattr(mc, name) else tc, name) >= 1, f"{name} must be >= 1")
     check(mc.timesteps >= 2, "timesteps must be >= 2")
     check(0 <= mc.split_timestep < mc.timesteps, f"split_timestep must lie in [0, timesteps={mc.timesteps})")
@@ -171,7 +193,7 @@ def validate(mc, tc):
         split_timestep(mc)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    check(len(mc.channel_mult) >= 1 and min(mc.channel_mult) >= 1, "channel_mult needs one or more positive entries")
+    check(len(mc.channel_mult) >= 1 and min(mc.channel_mult) > 0, "channel_mult needs one or more positive entries")
     levels = len(mc.channel_mult)
     factor = mc.patch_size * 2 ** (levels - 1)
     check(mc.image_size % factor == 0,
@@ -179,9 +201,13 @@ def validate(mc, tc):
     grid = [mc.image_size // mc.patch_size // 2**i for i in range(levels)]
     for r in mc.attn_resolutions:
         check(r in grid, f"attn_resolutions: {r} never occurs; the patched grid has resolutions {grid}")
+    widths = [int(mc.base_channels * m) for m in mc.channel_mult]
+    check(mc.attn_heads >= 0 and mc.attn_head_dim >= 0, "attn_heads and attn_head_dim must be >= 0")
+    check(mc.attn_heads or mc.attn_head_dim, "attn_heads=0 needs attn_head_dim > 0")
     if mc.attn_head_dim == 0:
-        widths = [mc.base_channels * m for m in mc.channel_mult]
         check(all(w % mc.attn_heads == 0 for w in widths), f"attn_heads {mc.attn_heads} does not divide the widths {widths}")
+    if mc.attn_heads == 0:
+        check(all(w % mc.attn_head_dim == 0 for w in widths), f"attn_head_dim {mc.attn_head_dim} does not divide the widths {widths}")
     check(0 < mc.beta_start < mc.beta_end < 1, "need 0 < beta_start < beta_end < 1")
     check(0 <= mc.dropout < 1 and 0 <= mc.p_uncond < 1, "dropout and p_uncond must lie in [0, 1)")
     check(0 <= tc.ema_decay < 1, "ema_decay must lie in [0, 1)")

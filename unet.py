@@ -78,14 +78,15 @@ class Attention(nn.Module):
     """Self-attention over the H·W positions, with a residual connection.
 
     `heads` heads of `head_dim` channels each; head_dim = 0 splits the block's own width
-    evenly between the heads (Ho et al. use one head of full width).
+    evenly between the heads (Ho et al. use one head of full width); heads = 0 takes as many
+    heads of head_dim channels as the width holds (ADM's num_head_channels).
     backend 'sdpa' calls F.scaled_dot_product_attention (flash / memory-efficient kernels);
     'math' writes the softmax out, as the reference baseline did.
     """
 
     def __init__(self, channels, heads, head_dim, backend):
         super().__init__()
-        self.heads = heads
+        self.heads = heads or channels // head_dim  # heads = 0: as many heads of head_dim as the width holds
         self.head_dim = head_dim or channels // heads
         inner = self.heads * self.head_dim
         self.backend = backend
@@ -149,7 +150,7 @@ class UNet(nn.Module):
         if cfg.pos_emb:
             self.register_buffer("pos_emb", position_embedding_2d(ch, cfg.image_size // P), persistent=False)
 
-        widths = [ch * m for m in cfg.channel_mult]
+        widths = [int(ch * m) for m in cfg.channel_mult]
         res = cfg.image_size // P  # resolution of the patched grid
         skip_chs = [ch]  # channels of every activation the up path will concatenate
         self.down, self.downsample = nn.ModuleList(), nn.ModuleList()

@@ -81,3 +81,21 @@ def test_patch_8_and_position_embedding():
     plain = UNet(tiny_model(image_size=64, patch_size=8, attn_resolutions=(4,)))
     plain.load_state_dict(model.state_dict())
     assert not torch.allclose(plain(x, torch.tensor([1, 2])), model(x, torch.tensor([1, 2])))
+
+
+@pytest.mark.parametrize("preset", ["lsun-p2", "lsun-p4", "lsun-p8", "imagenet-p4", "ffhq-p4"])
+def test_paper_presets_build_and_train_a_step_at_reduced_width(preset):
+    import dataclasses
+
+    from ddpm import Diffusion, parse_args
+
+    mc, tc, _ = parse_args(["--preset", preset])
+    assert mc.prediction == "x" and mc.loss_weighting == "sqrt_snr" and mc.attn_head_dim == 64
+    small = dataclasses.replace(mc, base_channels=16, attn_head_dim=16, num_res_blocks=1)
+    model = UNet(small)
+    x = torch.randn(1, 3, mc.image_size, mc.image_size)
+    y = torch.tensor([3]) if mc.num_classes else None
+    loss = Diffusion(small).loss(model, x, y)
+    loss.backward()
+    assert torch.isfinite(loss) and model.conv_out.weight.grad.abs().sum() > 0
+    assert model.conv_in.in_channels == 3 * mc.patch_size**2
