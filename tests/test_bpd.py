@@ -1,0 +1,79 @@
+"""Bits per dimension against closed forms derived by hand, for a model that knows x0."""
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import norm
+
+from ddpm import Diffusion, ModelConfig, discretized_gaussian_log_likelihood, normal_kl
+
+
+def eight_bit(shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, 256, shape, generator=g).double() / 127.5 - 1
+    x.view(-1)[:2] = torch.tensor([-1.0, 1.0])  # make sure both edge bins occur
+    return x
+
+
+def oracle(d, x0):
+    """A network that returns the exact target for x0 (it 'knows x0')."""
+    def model(z, t, y):
+        z = z.double()
+        a, s = d.alpha_bar[t].sqrt().view(-1, 1, 1, 1), (1 - d.alpha_bar[t]).sqrt().view(-1, 1, 1, 1)
+        return d.target(x0, (z - a * x0) / s, t)
+    return model
+
+
+def decoder_nats(x, std):
+    """-log P(bin) for each pixel, written with scipy: interior bins, and the open edge bins."""
+    x = x.numpy()
+    upper = np.where(x > 0.999, 1.0, norm.cdf((1 / 255) / std))
+    lower = np.where(x < -0.999, 0.0, norm.cdf((-1 / 255) / std))
+    return -np.log(upper - lower)
+
+
+@pytest.mark.parametrize("prediction", ["eps", "x", "v"])
+def test_bpd_of_a_model_that_knows_x0_small_variance(prediction):
+    d = Diffusion(ModelConfig(timesteps=50, prediction=prediction, reverse_variance="small"))
+    x0 = eight_bit((3, 3, 4, 4))
+    got = d.bpd(oracle(d, x0), x0, threshold="none", generator=torch.Generator().manual_seed(0))
+    ab_T = d.alpha_bar[-1].item()
+    # L_T per dim: KL(N(√ᾱ_T x, 1-ᾱ_T) || N(0, 1)) = ½(-log(1-ᾱ_T) + (1-ᾱ_T) + ᾱ_T x² - 1)
+    prior = 0.5 * (-math.log(1 - ab_T) + (1 - ab_T) + ab_T * x0.numpy() ** 2 - 1)
+    # every L_{t-1} is 0 (same means, same variances); L_0 is the decoder at exactly x0 with var β̃_2
+    std = math.sqrt(d.posterior_variance[1].item())
+    nats = (prior + decoder_nats(x0, std)).reshape(3, -1).sum(1)
+    np.testing.assert_allclose(got.numpy(), nats / (48 * math.log(2)), rtol=1e-6)
+    # nats versus bits: bits/dim x D x ln 2 = nats
+    np.testing.assert_allclose(got.numpy() * 48 * math.log(2), nats, rtol=1e-6)
+
+
+def test_bpd_large_variance_adds_the_variance_mismatch_of_every_step():
+    d = Diffusion(ModelConfig(timesteps=50, prediction="x", reverse_variance="large"))
+    small = Diffusion(ModelConfig(timesteps=50, prediction="x", reverse_variance="small"))
+    x0 = eight_bit((2, 3, 4, 4), seed=1)
+    g = lambda: torch.Generator().manual_seed(0)  # noqa: E731
+    extra = d.bpd(oracle(d, x0), x0, generator=g()) - small.bpd(oracle(small, x0), x0, generator=g())
+    bt, bs = d.betas[1:].numpy(), d.posterior_variance[1:].numpy()
+    per_dim = 0.5 * (np.log(bt / bs) + bs / bt - 1)  # KL(N(μ, β̃_t) || N(μ, β_t)) for t = 2..T
+    np.testing.assert_allclose(extra.numpy(), per_dim.sum() / math.log(2), rtol=1e-6)
+
+
+def test_discretized_likelihood_and_kl_helpers():
+    x = torch.tensor([-1.0, 0.0, 1.0], dtype=torch.float64)
+    mean = torch.tensor([-0.9, 0.01, 0.95], dtype=torch.float64)
+    got = discretized_gaussian_log_likelihood(x, mean, 0.01).numpy()
+    ref = np.log([norm.cdf((-1 + 1 / 255 + 0.9) / 0.1), norm.cdf((1 / 255 - 0.01) / 0.1) - norm.cdf((-1 / 255 - 0.01) / 0.1),
+                  1 - norm.cdf((1 - 1 / 255 - 0.95) / 0.1)])
+    np.testing.assert_allclose(got, ref, rtol=1e-9)
+    kl = normal_kl(torch.tensor(0.3, dtype=torch.float64), 0.5, torch.tensor(-0.2, dtype=torch.float64), 2.0).item()
+    assert kl == pytest.approx(math.log(2 / 0.5) / 2 + (0.5 + 0.25) / 4 - 0.5, rel=1e-12)
+
+
+def test_a_worse_model_has_more_bits():
+    d = Diffusion(ModelConfig(timesteps=50, prediction="x"))
+    x0 = eight_bit((2, 3, 4, 4), seed=2)
+    good = d.bpd(oracle(d, x0), x0, generator=torch.Generator().manual_seed(0))
+    bad = d.bpd(lambda z, t, y: torch.zeros_like(z), x0, generator=torch.Generator().manual_seed(0))
+    assert (bad > good + 0.5).all()
