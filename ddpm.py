@@ -530,22 +530,49 @@ class Diffusion(torch.nn.Module):
         does the same). T network calls per batch; `generator` fixes the x_t draws.
         """
         x0 = x0.double()
-        B, T = x0.shape[0], self.cfg.timesteps
-        ab_T = self.alpha_bar[-1].item()
-        nats = normal_kl(ab_T**0.5 * x0, 1 - ab_T, 0.0, 1.0).flatten(1).sum(1)  # L_T
-        for t in range(T - 1, -1, -1):
-            tt = torch.full((B,), t, device=x0.device, dtype=torch.long)
-            noise = torch.randn(x0.shape, generator=generator, device=generator.device if generator else x0.device)
-            z = self.q_sample(x0, tt, noise.to(x0.device, torch.float64))
-            x0_hat, _ = self.predict_x0_eps(model(z.float(), tt, y).double(), z, tt, threshold)
-            mean_p, _ = self.q_posterior_mean_variance(x0_hat, z, tt)
-            if t == 0:  # L_0: the discretised decoder
-                nats -= discretized_gaussian_log_likelihood(x0, mean_p, self.posterior_variance[1].item()).flatten(1).sum(1)
-            else:
-                mean_q, var_q = self.q_posterior_mean_variance(x0, z, tt)
-                var_p = self.posterior_variance[t] if self.cfg.reverse_variance == "small" else self.betas[t]
-                nats += normal_kl(mean_q, var_q, mean_p, var_p.item()).flatten(1).sum(1)
+        nats = self._prior_nats(x0) + sum(self._vb_term(model, x0, t, y, threshold, generator)
+                                          for t in range(self.cfg.timesteps - 1, -1, -1))
         return nats / (x0[0].numel() * math.log(2))
+
+    @torch.no_grad()
+    def bpd_estimate(self, model, x0, y=None, strata=50, threshold="static", generator=None):
+        """The bound of `bpd` from 2·strata + 1 network calls instead of T: -> (bits/dim, standard error), each (B,).
+
+        The KL terms t = 1..T-1 are cut into `strata` contiguous strata of n_k timesteps; two timesteps
+        drawn uniformly in each give the stratified estimate Σ_k n_k (L_a + L_b)/2 of their sum, with
+        variance Σ_k n_k² (L_a - L_b)²/4. The prior and decoder terms are computed exactly.
+        """
+        x0, T = x0.double(), self.cfg.timesteps
+        if not 1 <= strata <= T - 1:
+            raise ValueError(f"strata must lie in [1, {T - 1}]")
+        nats = self._prior_nats(x0) + self._vb_term(model, x0, 0, y, threshold, generator)
+        var = torch.zeros_like(nats)
+        edges = torch.linspace(1, T, strata + 1).round().long().tolist()
+        for lo, hi in zip(edges[:-1], edges[1:]):
+            draws = torch.randint(lo, hi, (2,), generator=generator).tolist()
+            a, b = (self._vb_term(model, x0, t, y, threshold, generator) for t in draws)
+            nats += (hi - lo) * (a + b) / 2
+            var += (hi - lo) ** 2 * (a - b) ** 2 / 4
+        scale = x0[0].numel() * math.log(2)
+        return nats / scale, var.sqrt() / scale
+
+    def _prior_nats(self, x0):
+        """L_T = KL(q(x_T|x_0) || N(0, I)) per image, in nats."""
+        ab_T = self.alpha_bar[-1].item()
+        return normal_kl(ab_T**0.5 * x0, 1 - ab_T, 0.0, 1.0).flatten(1).sum(1)
+
+    def _vb_term(self, model, x0, t, y, threshold, generator):
+        """L_{t-1} of eq. 5 per image, in nats, at one x_t ~ q(x_t|x_0); t = 0 is the decoder L_0."""
+        tt = torch.full((x0.shape[0],), t, device=x0.device, dtype=torch.long)
+        noise = torch.randn(x0.shape, generator=generator, device=generator.device if generator else x0.device)
+        z = self.q_sample(x0, tt, noise.to(x0.device, torch.float64))
+        x0_hat, _ = self.predict_x0_eps(model(z.float(), tt, y).double(), z, tt, threshold)
+        mean_p, _ = self.q_posterior_mean_variance(x0_hat, z, tt)
+        if t == 0:  # the discretised decoder
+            return -discretized_gaussian_log_likelihood(x0, mean_p, self.posterior_variance[1].item()).flatten(1).sum(1)
+        mean_q, var_q = self.q_posterior_mean_variance(x0, z, tt)
+        var_p = self.posterior_variance[t] if self.cfg.reverse_variance == "small" else self.betas[t]
+        return normal_kl(mean_q, var_q, mean_p, var_p.item()).flatten(1).sum(1)
 
 
 def normal_kl(mean1, var1, mean2, var2):

@@ -77,3 +77,21 @@ def test_a_worse_model_has_more_bits():
     good = d.bpd(oracle(d, x0), x0, generator=torch.Generator().manual_seed(0))
     bad = d.bpd(lambda z, t, y: torch.zeros_like(z), x0, generator=torch.Generator().manual_seed(0))
     assert (bad > good + 0.5).all()
+
+
+def test_stratified_estimate_is_exact_where_the_terms_vanish_and_close_elsewhere():
+    d = Diffusion(ModelConfig(timesteps=100, prediction="x", reverse_variance="small"))
+    x0 = eight_bit((2, 3, 4, 4), seed=3)
+    g = lambda: torch.Generator().manual_seed(0)  # noqa: E731
+    exact = d.bpd(oracle(d, x0), x0, generator=g())
+    est, se = d.bpd_estimate(oracle(d, x0), x0, strata=10, generator=g())
+    torch.testing.assert_close(est, exact, rtol=1e-9, atol=1e-9)  # every KL term is 0: no sampling error
+    assert (se < 1e-9).all()
+
+    def blurry(z, t, y):  # an imperfect model: the KL terms now vary with t
+        return 0.8 * oracle(d, x0)(z, t, y)
+
+    exact = d.bpd(blurry, x0, generator=g())
+    est, se = d.bpd_estimate(blurry, x0, strata=20, generator=g())  # 41 calls instead of 100
+    assert (se > 0).all()
+    assert ((est - exact).abs() < 4 * se + 1e-3).all()
