@@ -1000,7 +1000,8 @@ def train(mc, tc, preset="custom"):
         atomic_save({"model": model.state_dict(), "ema": ema.state_dict(), "optimizer": opt.state_dict(),
                      "loader": loader.state_dict(), "step": step, "rng": rng,
                      "model_config": asdict(mc), "trainer_config": asdict(tc)}, ckpt_path)
-        atomic_save({"ema": ema.state_dict(), "model_config": asdict(mc), "step": step}, os.path.join(out_dir, "ema.pt"))
+        atomic_save({"ema": ema.state_dict(), "model_config": asdict(mc), "trainer_config": asdict(tc), "step": step},
+                    os.path.join(out_dir, "ema.pt"))
 
     # ---- the loop
     from tqdm import tqdm

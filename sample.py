@@ -23,7 +23,8 @@ from unet import UNet
 
 
 def load_ema(path, device):
-    """-> (UNet with the EMA weights, ModelConfig). Raises ddpm.ConfigError with one clear line."""
+    """-> (UNet with the EMA weights, ModelConfig, the run's TrainerConfig fields or {}).
+    Raises ddpm.ConfigError with one clear line."""
     ckpt = ddpm.load_checkpoint(path, device)
     try:
         fields = {k: tuple(v) if isinstance(v, list) else v for k, v in ckpt["model_config"].items()}
@@ -37,7 +38,7 @@ def load_ema(path, device):
     except (TypeError, RuntimeError) as e:
         first = (str(e).strip().splitlines() or [""])[0]
         raise ddpm.ConfigError(f"{path}: its weights do not match its model config ({first})") from None
-    return model.eval().requires_grad_(False), mc
+    return model.eval().requires_grad_(False), mc, ckpt.get("trainer_config", {})
 
 
 def main(argv=None):
@@ -56,13 +57,18 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=256, help="images per network call (memory)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
-    p.add_argument("--out", default="samples.png", help="grid PNG; the .npz is written beside it")
+    p.add_argument("--out", default="samples.png", help="grid PNG; the .npz (or, with --eval bpd, a .json) is written beside it")
+    p.add_argument("--eval", choices=["samples", "bpd"], default="samples",
+                   help="samples: draw --n images; bpd: bits/dim of --n held-out images (Diffusion.bpd)")
+    p.add_argument("--strata", type=int, default=0, help="bpd: estimate from 2*strata+1 network calls; 0 = all T (exact)")
+    p.add_argument("--dataset", help="bpd: held-out data; default: the run's own dataset (test split)")
+    p.add_argument("--data_dir", help="bpd: default: the run's own data_dir")
     args = p.parse_args(argv)
     try:
         device = ddpm.resolve_device(args.device)
-        model, mc = load_ema(args.ckpt, device)
+        model, mc, run = load_ema(args.ckpt, device)
         if args.ckpt_high:  # model splitting: two experts, each used for its own timesteps
-            high, mc_high = load_ema(args.ckpt_high, device)
+            high, mc_high, _ = load_ema(args.ckpt_high, device)
             same = {k: v for k, v in dataclasses.asdict(mc).items() if k != "split_part"}
             if same != {k: v for k, v in dataclasses.asdict(mc_high).items() if k != "split_part"}:
                 raise ddpm.ConfigError("--ckpt and --ckpt_high differ in more than split_part")
@@ -80,6 +86,8 @@ def main(argv=None):
         sys.exit(2)
 
     diffusion = ddpm.Diffusion(mc).to(device)
+    if args.eval == "bpd":
+        return evaluate_bpd(args, model, mc, run, diffusion, device)
     bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
 
     def net(z, t, y):
@@ -108,6 +116,48 @@ def main(argv=None):
              labels=labels.numpy() if labels is not None else np.zeros(0, np.int64))
     print(f"wrote {args.out} and {npz}: {args.n} images, {args.sampler} {args.steps or mc.timesteps} steps, "
           f"guidance {args.guidance}")
+
+
+def evaluate_bpd(args, model, mc, run, diffusion, device):
+    """Bits/dim of the first --n images of the held-out split, in fp32 (the bound sums T terms)."""
+    import json
+
+    import data
+
+    dataset, data_dir = args.dataset or run.get("dataset"), args.data_dir or run.get("data_dir")
+    if not dataset:
+        print("error: --eval bpd needs --dataset (and --data_dir): this checkpoint does not record its run's data",
+              file=sys.stderr)
+        sys.exit(2)
+    try:
+        images, labels, _ = data.load_dataset(dataset, data_dir, mc.image_size, run.get("shapes_count", 50_000), train=False)
+    except data.DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    n = min(args.n, len(images))
+    g = torch.Generator().manual_seed(args.seed)
+    bits, est_var = [], 0.0
+    for start in range(0, n, args.batch):
+        x0 = images[start : start + args.batch].to(device).double() / 127.5 - 1
+        y = labels[start : start + args.batch].to(device) if mc.num_classes > 0 else None
+        if args.strata:
+            b, se = diffusion.bpd_estimate(model, x0, y, strata=args.strata, threshold=args.threshold, generator=g)
+            est_var += (se**2).sum().item()
+        else:
+            b = diffusion.bpd(model, x0, y, threshold=args.threshold, generator=g)
+        bits.append(b.cpu())
+        print(f"{start + len(x0)}/{n} images", flush=True)
+    bits = torch.cat(bits)
+    result = {"bpd": bits.mean().item(), "sem": (bits.std() / n**0.5).item() if n > 1 else None, "n": n,
+              "dataset": dataset, "split": "test", "strata": args.strata or None,
+              "estimator_se": est_var**0.5 / n if args.strata else None, "reverse_variance": mc.reverse_variance}
+    path = os.path.splitext(args.out)[0] + ".json"
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+    extra = f", estimator s.e. {result['estimator_se']:.4f}" if args.strata else ""
+    print(f"bits/dim {result['bpd']:.4f} ± {result['sem'] or 0:.4f} (s.e.m. over {n} {dataset} test images{extra}); wrote {path}")
+    return result
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
 """sample.py: well-formed outputs from a real checkpoint, and one clear line for bad ones."""
+import json
 import subprocess
 import sys
 
@@ -59,3 +60,12 @@ def test_split_experts_warm_start_and_sample_together(tmp_path):
     assert np.load(tmp_path / "split.npz")["images"].shape == (4, 16, 16, 3)
     with pytest.raises(SystemExit):  # one expert alone is refused
         sample.main(["--ckpt", str(tmp_path / "low" / "ema.pt"), "--out", str(tmp_path / "x.png")])
+
+
+def test_eval_bpd_on_held_out_images(run_dir, tmp_path):
+    out = tmp_path / "bpd.png"
+    exact = sample.main(["--ckpt", str(run_dir / "ckpt.pt"), "--eval", "bpd", "--n", "4", "--out", str(out)])
+    est = sample.main(["--ckpt", str(run_dir / "ema.pt"), "--eval", "bpd", "--n", "4", "--strata", "10", "--out", str(out)])
+    assert 0 < exact["bpd"] < 50 and exact["n"] == 4 and exact["dataset"] == "shapes"
+    assert est["estimator_se"] > 0 and abs(est["bpd"] - exact["bpd"]) < 5 * est["estimator_se"] + 0.05
+    assert json.load(open(tmp_path / "bpd.json"))["strata"] == 10
