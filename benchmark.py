@@ -90,13 +90,13 @@ def free_memory(device):
         torch.cuda.empty_cache()
 
 
-def largest_batch(mc, row, device, images, labels, beton, start, limit):
+def largest_batch(mc, row, device, images, labels, start, limit):
     """The largest power-of-two batch (from `start`, at most `limit`) whose eager step fits in memory."""
     best, batch = None, start
-    eager = {**row, "compile": False}
+    eager = {**row, "compile": False, "loader": "dataloader"}  # memory is the model's; any loader will do
     while batch <= limit:
         try:
-            time_steps(mc, eager, batch, device, images, labels, beton, warmup=1, iters=1)
+            time_steps(mc, eager, batch, device, images, labels, None, warmup=1, iters=1)
             best, batch = batch, batch * 2
         except torch.cuda.OutOfMemoryError:
             break
@@ -132,9 +132,6 @@ def main(argv=None):
 
     # the data: the built-in shapes at the preset's resolution, in memory and as a beton
     images, labels, _ = data.shapes(max(4096, 4 * base_batch), mc.image_size)
-    beton = None
-    if data.ffcv_available():
-        beton, _ = data.beton_for("shapes", "", mc.image_size, "data/betons", shapes_count=len(images))
     device_name = torch.cuda.get_device_name(device) if gpu else ddpm.cpu_name()
     print(f"# {args.preset} on {device_name}, torch {torch.__version__}, {datetime.date.today()}\n")
 
@@ -150,7 +147,7 @@ def main(argv=None):
         reason = None
         if name in skip:
             reason = "skipped by --skip"
-        elif trial["loader"] == "ffcv" and beton is None:
+        elif trial["loader"] == "ffcv" and not data.ffcv_available():
             reason = "ffcv is not installed"
         elif trial["precision"] == "bf16" and not (gpu and torch.cuda.is_bf16_supported()) and not (
                 device.type == "cpu" and ddpm.cpu_has_bf16()):
@@ -176,14 +173,17 @@ def main(argv=None):
         if cfg["batch"] == "base":
             batch = base_batch
         elif change.get("batch") == "max":
-            batch = args.batch or (largest_batch(mc_row, cfg, device, images, labels, beton, base_batch, args.max_batch)
+            batch = args.batch or (largest_batch(mc_row, cfg, device, images, labels, base_batch, args.max_batch)
                                    if gpu else 2 * base_batch)
             scaled_batch = batch
         else:
-            batch = scaled_batch
+            batch = scaled_batch or base_batch  # (the scaling row may have been skipped)
         if len(images) < batch * (warmup + iters):
             images, labels, _ = data.shapes(batch * (warmup + iters), mc.image_size)
-        ms, mem = time_steps(mc_row, cfg, batch, device, images, labels, beton if cfg["loader"] == "ffcv" else None,
+        beton = None
+        if cfg["loader"] == "ffcv":  # the same images as a beton, written once per size and reused
+            beton, _ = data.beton_for("shapes", "", mc.image_size, "data/betons", shapes_count=len(images))
+        ms, mem = time_steps(mc_row, cfg, batch, device, images, labels, beton,
                              warmup, iters)
         free_memory(device)
         flops = ddpm.train_flops_per_image(mc_row) * batch

@@ -60,3 +60,19 @@ def test_cpu_ladder_rows_are_well_formed(tmp_path):
         assert r["img_per_s"] == pytest.approx(r["batch"] / r["step_ms"] * 1e3)
     skipped = {r["version"]: r["skipped"] for r in result["rows"] if "skipped" in r}
     assert "torch.compile" in skipped  # off on the CPU unless --cpu_compile
+
+
+def test_batch_search_doubles_until_the_first_out_of_memory(monkeypatch):
+    tried = []
+
+    def fake_time_steps(mc, row, batch, *args, **kw):
+        tried.append((batch, row["compile"], row["loader"]))
+        if batch > 512:
+            raise torch.cuda.OutOfMemoryError("out of memory")
+        return 1.0, None
+
+    monkeypatch.setattr(benchmark, "time_steps", fake_time_steps)
+    row = {"compile": True, "loader": "ffcv", "precision": "bf16", "attention": "sdpa"}
+    assert benchmark.largest_batch(None, row, torch.device("cpu"), None, None, 128, 16384) == 512
+    assert [b for b, _, _ in tried] == [128, 256, 512, 1024]
+    assert all(not compiled and loader == "dataloader" for _, compiled, loader in tried)  # eager, plain data
