@@ -178,8 +178,9 @@ def validate(mc, tc):
             raise ConfigError(msg)
 
     for cfg in (mc, tc):  # Literal fields set from Python rather than the CLI
+        hints = typing.get_type_hints(type(cfg))
         for f in dataclasses.fields(cfg):
-            typ = typing.get_type_hints(type(cfg))[f.name]
+            typ = hints[f.name]
             if typing.get_origin(typ) is Literal:
                 v = getattr(cfg, f.name)
                 check(v in typing.get_args(typ), f"{f.name}='{v}': choose one of {', '.join(typing.get_args(typ))}")

@@ -5,8 +5,8 @@
 
 --ckpt takes either checkpoint a run writes (ckpt.pt, the resumable state, or ema.pt, the export);
 both hold the EMA weights and the model config, and load with weights_only=True. Class-conditional
-models cycle through the classes unless --label fixes one. On a GPU the network runs under bf16
-autocast where the device supports it.
+models cycle through the classes unless --label fixes one. The network runs under bf16 autocast
+where the hardware has it (GPUs, CPUs with AVX512-BF16/AMX), as --precision=auto does in training.
 
 Measured: see README.md (the demo grid) -- sampling cost is the network's forward FLOPs x steps.
 """
@@ -88,10 +88,10 @@ def main(argv=None):
     diffusion = ddpm.Diffusion(mc).to(device)
     if args.eval == "bpd":
         return evaluate_bpd(args, model, mc, run, diffusion, device)
-    bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+    precision = ddpm.resolve_precision("auto", device)  # bf16 where the hardware has it, as in training
 
     def net(z, t, y):
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+        with ddpm.autocast(device, precision):
             return model(z, t, y)
 
     if mc.num_classes > 0:
