@@ -75,6 +75,7 @@ class TrainerConfig:  # the run
     shapes_count: int = 50_000                          # images in the built-in 'shapes' dataset
     loader: Literal["ffcv", "torch"] = "ffcv"           # FFCV from a cached .beton, or gathers from tensors in memory
     beton_dir: str = "data/betons"                      # where .beton files are written once and reused
+    fid_stats_dir: str = "data/fid_stats"               # where the training set's FID reference statistics are cached
     num_workers: int = 2                                # FFCV loader threads
     batch_size: int = 128                               # global batch size, images per optimizer step
     max_steps: int = 800_000                            # optimizer steps to train for
@@ -100,7 +101,12 @@ class TrainerConfig:  # the run
     num_samples: int = 64                               # images per sample grid
     sampler: Literal["ddpm", "ddim", "dpm++"] = "ddpm"  # sampler for the grids
     sample_steps: int = 0                               # sampler steps for the grids; 0 = all T
-    guidance: float = 1.0                               # classifier-free guidance weight w for the grids; 1 = none
+    guidance: float = 1.0                               # classifier-free guidance weight w for the grids and the FID samples; 1 = none
+    eval_every_steps: int = 0                           # steps between evaluations (FID, bits/dim) logged to metrics.jsonl; 0 = never
+    eval_fid_samples: int = 5000                        # EMA samples for that FID, against the training set (torch-fidelity); 0 = no FID
+    eval_sample_steps: int = 20                         # DPM-Solver++ steps for those samples
+    eval_bpd_images: int = 1000                         # held-out images for bits/dim (the test split; 'folder': its own images); 0 = none
+    eval_bpd_strata: int = 8                            # bits/dim estimated from 2 x strata + 1 network calls (Diffusion.bpd_estimate)
     seed: int = 0                                       # seeds the weights, the data order, the noise and the grids
     device: str = "auto"                                # 'auto' = cuda if present, else cpu; or 'cpu', 'cuda', 'cuda:1', ...
 
@@ -216,6 +222,10 @@ def validate(mc, tc):
     check(tc.log_every_steps >= 1, "log_every_steps must be >= 1")
     check(0 <= tc.sample_steps <= mc.timesteps, f"sample_steps must lie in [0, timesteps={mc.timesteps}]")
     check(not tc.resume or tc.out_dir, "--resume needs --out_dir, the run folder to continue")
+    check(min(tc.eval_every_steps, tc.eval_fid_samples, tc.eval_bpd_images) >= 0, "eval_* counts must be >= 0")
+    check(1 <= tc.eval_sample_steps <= mc.timesteps, f"eval_sample_steps must lie in [1, timesteps={mc.timesteps}]")
+    check(1 <= tc.eval_bpd_strata <= mc.timesteps - 1, f"eval_bpd_strata must lie in [1, timesteps-1={mc.timesteps - 1}]")
+    check(tc.eval_fid_samples != 1, "eval_fid_samples must be 0 or >= 2 (a covariance needs two samples)")
 
 
 def parse_args(argv):
@@ -884,7 +894,7 @@ def plot_losses(metrics_path, png_path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [json.loads(line) for line in open(metrics_path)]
+    rows = [r for r in map(json.loads, open(metrics_path)) if "loss" in r]  # not the evaluation rows
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="loss")
     for q in range(4):
@@ -965,6 +975,14 @@ def train(mc, tc, preset="custom"):
             torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
         print(f"resumed {out_dir} at step {step}")
     forward = torch.compile(model) if tc.compile else model
+    evaluator = None
+    if tc.eval_every_steps:  # built now: missing Inception weights or data fail before training, not hours in
+        import sample  # the evaluation lives with the sampling
+
+        try:
+            evaluator = sample.TrainingEval(mc, tc, diffusion, device)
+        except sample.EvalError as e:
+            raise ConfigError(str(e)) from None
 
     flops_per_step = train_flops_per_image(mc, tc.attention) * tc.batch_size
     peak, peak_source = peak_flops(device, precision)
@@ -1028,6 +1046,11 @@ def train(mc, tc, preset="custom"):
             plot_losses(metrics_path, os.path.join(out_dir, "loss.png"))
         if step > start_step and (last_step or (tc.ckpt_every_steps and step % tc.ckpt_every_steps == 0)):
             save_checkpoint(step)
+        if evaluator and step > start_step and (last_step or step % tc.eval_every_steps == 0):
+            row = {"step": step, **evaluator(ema, precision)}
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+            pbar.write(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
         if last_step:
             break
 

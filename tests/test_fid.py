@@ -1,0 +1,145 @@
+"""FID, Inception Score and precision/recall: the maths against scipy, and the whole path offline with a
+small injected feature extractor in place of InceptionV3 (whose weights need a download)."""
+import json
+import os
+import subprocess
+import sys
+import urllib.error
+
+import numpy as np
+import pytest
+import scipy.linalg
+import torch
+from conftest import tiny_model, tiny_trainer
+
+import sample
+from ddpm import ConfigError, train
+
+
+class TinyFeatures(torch.nn.Module):
+    """uint8 (B, 3, H, W) -> (16 features, 10 logits), like InceptionV3's (2048, 1008); counts its calls."""
+
+    name = "tiny"
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.conv = torch.nn.Conv2d(3, 16, 3, padding=1)
+        self.fc = torch.nn.Linear(16, 10)
+        self.calls = 0
+
+    def forward(self, x):
+        assert x.dtype == torch.uint8
+        self.calls += 1
+        f = torch.relu(self.conv(x.float() / 127.5 - 1)).mean((2, 3))
+        return f, self.fc(f)
+
+
+def reference_fid(x, y):
+    """The textbook formula with scipy's matrix square root."""
+    mu1, mu2 = x.mean(0), y.mean(0)
+    s1, s2 = np.cov(x, rowvar=False), np.cov(y, rowvar=False)
+    covmean = scipy.linalg.sqrtm(s1 @ s2).real
+    return float(((mu1 - mu2) ** 2).sum() + np.trace(s1 + s2 - 2 * covmean))
+
+
+def test_frechet_distance_matches_scipy():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(500, 12))
+    y = rng.normal(size=(400, 12)) @ rng.normal(size=(12, 12)) * 0.5 + 0.3
+    mu1, s1 = sample.mean_cov(torch.from_numpy(x))
+    mu2, s2 = sample.mean_cov(torch.from_numpy(y))
+    np.testing.assert_allclose(s1, np.cov(x, rowvar=False), rtol=1e-10)
+    assert sample.frechet_distance(mu1, s1, mu2, s2) == pytest.approx(reference_fid(x, y), rel=1e-6)
+    assert sample.frechet_distance(mu1, s1, mu1, s1) == pytest.approx(0, abs=1e-6)
+
+
+def test_reference_stats_are_cached_and_fid_of_the_data_itself_is_zero(tmp_path):
+    ext = TinyFeatures()
+    ref = sample.reference_stats(ext, "shapes", "unused", 16, 96, "cpu", cache_dir=str(tmp_path), batch=32)
+    assert ext.calls == 3 and ref["features"].shape == (96, 16) and int(ref["n"]) == 96
+    files = os.listdir(tmp_path)
+    assert len(files) == 1 and files[0].startswith("shapes-train-16px-n96-tiny")
+    again = sample.reference_stats(ext, "shapes", "unused", 16, 96, "cpu", cache_dir=str(tmp_path))
+    assert ext.calls == 3  # read from the cache
+    np.testing.assert_array_equal(again["sigma"], ref["sigma"])
+
+    import data
+
+    images, _, _ = data.load_dataset("shapes", "unused", 16, 96)
+    same = sample.fid_metrics(*sample.features(ext, images.split(40), "cpu"), ref)
+    assert same["fid"] == pytest.approx(0, abs=1e-4)
+    assert same["precision"] == same["recall"] == 1.0  # every point lies in its own k-NN ball
+    assert 1 <= same["inception_score"] <= 10
+    noise = torch.randint(0, 256, (96, 3, 16, 16), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    other = sample.fid_metrics(*sample.features(ext, noise.split(40), "cpu"), ref)
+    assert other["fid"] > 100 * max(same["fid"], 1e-3) and other["precision"] < 0.5
+
+
+def test_offline_inception_is_one_clear_line(tmp_path, monkeypatch):
+    pytest.importorskip("torch_fidelity")
+    monkeypatch.setattr(torch.hub, "get_dir", lambda: str(tmp_path))
+
+    def offline(url, dst, **kw):
+        raise urllib.error.URLError("no network")
+
+    monkeypatch.setattr(torch.hub, "download_url_to_file", offline)
+    with pytest.raises(sample.EvalError, match=r"offline, place https://\S+weights-inception\S+\.pth at \S+checkpoints"):
+        sample.inception("cpu")
+    (tmp_path / "checkpoints" / "weights-inception-2015-12-05-6726825d.pth").write_bytes(b"truncated")
+    with pytest.raises(sample.EvalError, match="is not the Inception weights file"):
+        sample.inception("cpu")
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    train(tiny_model(), tiny_trainer(out, max_steps=3), preset="test")
+    return out
+
+
+def test_sample_eval_fid_writes_all_metrics(run_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(sample, "inception", lambda device: TinyFeatures())
+    out = tmp_path / "fid" / "s.png"
+    result = sample.main(["--ckpt", str(run_dir / "ema.pt"), "--eval", "fid", "--n", "24", "--batch", "12",
+                          "--steps", "3", "--stats_dir", str(tmp_path / "stats"), "--out", str(out)])
+    saved = json.loads((tmp_path / "fid" / "s.json").read_text())
+    assert saved == result
+    assert result["fid"] > 0 and np.isfinite(result["fid"]) and result["n"] == 24
+    assert 0 <= result["precision"] <= 1 and 0 <= result["recall"] <= 1 and result["inception_score"] >= 1
+    assert result["reference"] == "shapes train, 512 images"
+    assert np.load(tmp_path / "fid" / "s.npz")["images"].shape == (24, 16, 16, 3)
+
+
+def test_sample_eval_fid_offline_is_one_line(run_dir, tmp_path):
+    pytest.importorskip("torch_fidelity")
+    env = {**os.environ, "TORCH_HOME": str(tmp_path), "HTTPS_PROXY": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9"}
+    r = subprocess.run([sys.executable, "sample.py", "--ckpt", str(run_dir / "ema.pt"), "--eval", "fid",
+                        "--out", str(tmp_path / "x.png")], cwd=os.path.dirname(sample.__file__), env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "place https://" in lines[0] and str(tmp_path) in lines[0]
+
+
+def test_training_logs_fid_and_bpd(tmp_path, monkeypatch):
+    monkeypatch.setattr(sample, "inception", lambda device: TinyFeatures())
+    tc = tiny_trainer(tmp_path / "run", max_steps=4, eval_every_steps=2, eval_fid_samples=12, eval_sample_steps=2,
+                      eval_bpd_images=6, eval_bpd_strata=2, fid_stats_dir=str(tmp_path / "stats"))
+    train(tiny_model(), tc, preset="test")
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    evals = [r for r in rows if "fid" in r]
+    assert [r["step"] for r in evals] == [2, 4]
+    for r in evals:
+        assert r["fid"] > 0 and 0 < r["bpd"] < 100 and r["bpd_images"] == 6 and r["fid_samples"] == 12
+    assert os.listdir(tmp_path / "stats") == ["shapes-train-16px-n512-tiny.npz"]  # the cached reference statistics
+
+
+def test_training_eval_fails_before_training_when_offline(tmp_path, monkeypatch):
+    def offline(device):
+        raise sample.EvalError("cannot download the Inception weights")
+
+    monkeypatch.setattr(sample, "inception", offline)
+    with pytest.raises(ConfigError, match="Inception"):
+        train(tiny_model(), tiny_trainer(tmp_path / "run", eval_every_steps=2), preset="test")
+    assert not os.path.exists(tmp_path / "run" / "ckpt.pt")
