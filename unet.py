@@ -13,7 +13,6 @@ unfolded by pixel_shuffle after the last, so every layer runs on a P× smaller g
 Attention resolutions refer to that patched grid.
 """
 import math
-from math import gcd
 
 import torch
 import torch.nn as nn
@@ -21,8 +20,10 @@ import torch.nn.functional as F
 
 
 def group_norm(channels):
-    # 32 groups as in the paper; fewer only for widths that 32 does not divide
-    return nn.GroupNorm(gcd(32, channels), channels)
+    # 32 groups as in the paper, but at least 2 channels per group: a group of one channel removes
+    # any per-channel shift, and so the time and class embedding a ResBlock adds just before its
+    # second norm (widths of 32 and below; the paper's are all >= 128, where this is 32 groups)
+    return nn.GroupNorm(max(g for g in range(1, 33) if channels % g == 0 and channels // g >= 2), channels)
 
 
 def zero_init(module):

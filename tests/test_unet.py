@@ -99,3 +99,15 @@ def test_paper_presets_build_and_train_a_step_at_reduced_width(preset):
     loss.backward()
     assert torch.isfinite(loss) and model.conv_out.weight.grad.abs().sum() > 0
     assert model.conv_in.in_channels == 3 * mc.patch_size**2
+
+
+def test_norm_groups_never_hide_the_conditioning():
+    """A one-channel group would normalise away the embedding added just before it."""
+    from unet import group_norm
+
+    assert [group_norm(c).num_groups for c in (16, 32, 64, 96, 128, 256)] == [8, 16, 32, 32, 32, 32]
+    model = randomise(UNet(tiny_model(num_classes=4)))  # widths 16 and 32
+    x = torch.randn(2, 3, 16, 16)
+    base = model(x, torch.tensor([10, 10]), torch.tensor([0, 0]))
+    for t, y in (([60, 60], [0, 0]), ([10, 10], [1, 1])):  # the time, and the class, each move the output
+        assert (model(x, torch.tensor(t), torch.tensor(y)) - base).abs().max() > 1e-3 * base.abs().max()
