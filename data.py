@@ -14,6 +14,7 @@ Training reads them through FFCV from a cached .beton (FFCVLoader) or from memor
 Measured (2026-12-02, 2 CPU cores, CIFAR-10 train): FFCVLoader 78k img/s, 16.9x a typical torch
 DataLoader with per-sample transforms and 2 workers (`python data.py --bench`, BENCHMARKS.md).
 """
+import contextlib
 import hashlib
 import json
 import math
@@ -161,11 +162,23 @@ def load_dataset(name, data_dir, image_size, shapes_count=50_000, train=True):
 
 def ffcv_available():
     try:
-        import ffcv  # noqa: F401
+        with torch_threads_kept():
+            import ffcv  # noqa: F401
 
         return True
     except ImportError:  # not installed, or its native libraries (libturbojpeg, OpenCV) are missing
         return False
+
+
+@contextlib.contextmanager
+def torch_threads_kept():
+    """FFCV sets torch's process-wide thread count to its own worker count (1 on import, num_workers on
+    each loader and epoch): a CPU training step would silently run on that many cores. Keep ours."""
+    n = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
 
 
 def write_beton(images, labels, path, num_workers=2):
@@ -316,24 +329,17 @@ class FFCVLoader(Loader):
     """
 
     def __init__(self, path, batch_size, seed, device, hflip=True, with_labels=False, num_workers=2):
-        from ffcv.fields.decoders import IntDecoder, SimpleRGBImageDecoder
-        from ffcv.loader import Loader as _FFCV
-        from ffcv.loader import OrderOption
         from ffcv.traversal_order.base import TraversalOrder
-        from ffcv.transforms import Squeeze, ToDevice, ToTensor, ToTorchImage
 
         device = torch.device(device)
-        on_gpu = device.type == "cuda"
-        self.ffcv = _FFCV(
-            path, batch_size=batch_size, num_workers=num_workers, order=OrderOption.SEQUENTIAL, drop_last=True,
-            # under DDP, FFCV's distributed mode sizes the epoch per rank; the order itself is ours (shard)
-            os_cache=True, distributed=torch.distributed.is_available() and torch.distributed.is_initialized(),
-            pipelines={
-                "image": [SimpleRGBImageDecoder(), ToTensor(), ToDevice(device, non_blocking=on_gpu),
-                          ToTorchImage(channels_last=True)],
-                "label": [IntDecoder(), ToTensor(), Squeeze(), ToDevice(device, non_blocking=on_gpu)],
-            },
-        )
+        if not os.path.exists(path):
+            raise DataError(f"no beton at {path}")
+        try:
+            with torch_threads_kept():
+                self.ffcv = self._open(path, batch_size, num_workers, device)
+        except Exception as e:  # FFCV's own errors on a damaged file are assertions and index errors
+            raise DataError(f"cannot read the beton {path} ({type(e).__name__}: {e}); it is corrupt or truncated: "
+                            f"delete it (and {os.path.basename(path)}.json) and it is written again") from None
         outer = self
 
         class PlanOrder(TraversalOrder):
@@ -344,10 +350,31 @@ class FFCVLoader(Loader):
         self.ffcv.traversal_order = PlanOrder(self.ffcv)
         self._init_state(self.ffcv.reader.num_samples, batch_size, seed, device, hflip, with_labels)
 
+    @staticmethod
+    def _open(path, batch_size, num_workers, device):
+        from ffcv.fields.decoders import IntDecoder, SimpleRGBImageDecoder
+        from ffcv.loader import Loader as _FFCV
+        from ffcv.loader import OrderOption
+        from ffcv.transforms import Squeeze, ToDevice, ToTensor, ToTorchImage
+
+        on_gpu = device.type == "cuda"
+        return _FFCV(
+            path, batch_size=batch_size, num_workers=num_workers, order=OrderOption.SEQUENTIAL, drop_last=True,
+            # FFCV's distributed mode, under DDP; its per-rank order (a DistributedSampler's) is then replaced
+            # by ours, data.shard, which gives every world size the same global batches
+            os_cache=True, distributed=torch.distributed.is_available() and torch.distributed.is_initialized(),
+            pipelines={
+                "image": [SimpleRGBImageDecoder(), ToTensor(), ToDevice(device, non_blocking=on_gpu),
+                          ToTorchImage(channels_last=True)],
+                "label": [IntDecoder(), ToTensor(), Squeeze(), ToDevice(device, non_blocking=on_gpu)],
+            },
+        )
+
     def _start_epoch(self):
         super()._start_epoch()
         self.ffcv.next_epoch = self.epoch
-        self.batches = iter(self.ffcv)
+        with torch_threads_kept():
+            self.batches = iter(self.ffcv)
         for _ in range(self.index // self.batch_size):  # resuming mid-epoch: skip what was already seen
             next(self.batches)
 

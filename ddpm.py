@@ -13,6 +13,7 @@ The network itself is in unet.py and knows nothing of the noise schedule; data i
 Measured (2026-12-02, torch 2.14.1): `make demo` learns recognisable 16x16 shapes in 4 min 20 s on
 2 CPU cores (fp32, 134 img/s, 44% of the measured fp32 matmul rate). GPU figures: BENCHMARKS.md.
 """
+import contextlib
 import copy
 import dataclasses
 import inspect
@@ -21,9 +22,11 @@ import math
 import os
 import platform
 import re
+import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import typing
 from dataclasses import asdict, dataclass
@@ -86,6 +89,7 @@ class TrainerConfig:  # the run
     adam_beta1: float = 0.9                             # AdamW beta1
     adam_beta2: float = 0.999                           # AdamW beta2
     grad_clip: float = 1.0                              # max global gradient norm; 0 = no clipping
+    max_nonfinite_steps: int = 20                       # steps with a non-finite loss or gradient are skipped; stop after this many in a row
     ema_decay: float = 0.9999                           # EMA of the weights, per step; 0 = the EMA is a copy of the model
     ema_warmup: bool = True                             # ramp the EMA decay as min(ema_decay, (1+step)/(10+step))
     hflip: bool = True                                  # random horizontal flips
@@ -220,6 +224,7 @@ def validate(mc, tc):
     check(0 <= tc.ema_decay < 1, "ema_decay must lie in [0, 1)")
     check(tc.max_steps >= 0 and tc.warmup_steps >= 0 and tc.grad_clip >= 0, "max_steps, warmup_steps, grad_clip must be >= 0")
     check(tc.log_every_steps >= 1, "log_every_steps must be >= 1")
+    check(tc.max_nonfinite_steps >= 1, "max_nonfinite_steps must be >= 1")
     check(0 <= tc.sample_steps <= mc.timesteps, f"sample_steps must lie in [0, timesteps={mc.timesteps}]")
     check(not tc.resume or tc.out_dir, "--resume needs --out_dir, the run folder to continue")
     check(min(tc.eval_every_steps, tc.eval_fid_samples, tc.eval_bpd_images) >= 0, "eval_* counts must be >= 0")
@@ -410,20 +415,24 @@ class Diffusion(torch.nn.Module):
             raise ValueError(f"unknown threshold '{threshold}'")
         return x0, (z - a * x0) / s
 
-    def loss(self, model, x0, y=None):
+    def loss(self, model, x0, y=None, shard=(0, 1)):
         """L = mean_b w_t ‖target − model(z_t, t, y)‖² / D, t ~ U{0..T-1}, ε ~ N(0, I) (Ho et al. Algorithm 1).
 
         Labels are replaced by the null class with probability p_uncond, so one network learns
         both p(x|y) and p(x) for classifier-free guidance (Ho & Salimans 2022).
+        Under DDP, shard = (rank, world): every rank draws t, ε and the label dropout for the whole
+        global batch from the same seeded stream and keeps rows rank::world, the rows of its own images
+        (data.shard), so a run does not depend on how many processes share it.
         Afterwards self.last_t and self.last_losses hold the timesteps and the per-sample
         losses (detached) for per-quartile logging.
         """
-        B = x0.shape[0]
-        t = torch.randint(*self.t_range, (B,), device=x0.device)  # a split expert sees only its own range
-        noise = torch.randn_like(x0)
+        rank, world = shard
+        B = x0.shape[0] * world
+        t = torch.randint(*self.t_range, (B,), device=x0.device)[rank::world]  # a split expert sees only its own range
+        noise = torch.randn((B, *x0.shape[1:]), device=x0.device, dtype=x0.dtype)[rank::world]
         z = self.q_sample(x0, t, noise)
         if y is not None and self.cfg.p_uncond > 0:
-            drop = torch.rand(B, device=x0.device) < self.cfg.p_uncond
+            drop = torch.rand(B, device=x0.device)[rank::world] < self.cfg.p_uncond
             y = torch.where(drop, torch.full_like(y, self.cfg.num_classes), y)
         out = model(z, t, y).float()
         mse = (out - self.target(x0, noise, t)).pow(2).flatten(1).mean(1)  # (B,)
@@ -783,22 +792,32 @@ def make_optimizer(model, tc, device):
                              weight_decay=tc.weight_decay, fused=fused)
 
 
-def train_step(model, diffusion, opt, x0, y, precision, grad_clip):
-    """Forward, backward, clip, AdamW step. Returns (loss, grad norm or None) as device tensors: no sync."""
+def train_step(model, diffusion, opt, x0, y, precision, grad_clip, shard=(0, 1)):
+    """Forward, backward, clip, AdamW step, all without a host sync. Returns (loss, grad norm, ok) as
+    device tensors. A non-finite loss or gradient (on any rank) skips the update: `ok` is then 0, and
+    the fused AdamW kernel leaves weights, moments and its step count untouched (its found_inf input)."""
     with autocast(x0.device, precision):
-        loss = diffusion.loss(model, x0, y)
+        loss = diffusion.loss(model, x0, y, shard)
     loss.backward()
     params = [p for g in opt.param_groups for p in g["params"]]
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip) if grad_clip > 0 else None
-    opt.step()
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
+    ok = (torch.isfinite(loss) & torch.isfinite(grad_norm)).float()
+    if shard[1] > 1:  # DDP already agrees on the gradients; this also covers a loss that is inf on one rank only
+        torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN)
+    if opt.defaults.get("fused"):
+        opt.found_inf = 1 - ok
+        opt.step()
+    elif ok.item():  # unfused optimizers cannot skip on the device
+        opt.step()
     opt.zero_grad(set_to_none=True)
-    return loss.detach(), grad_norm
+    return loss.detach(), grad_norm, ok
 
 
 @torch.no_grad()
-def ema_update(ema, model, decay):
-    """θ_ema <- decay θ_ema + (1 - decay) θ, as one fused foreach op over all parameters."""
-    torch._foreach_lerp_(list(ema.parameters()), list(model.parameters()), 1 - decay)
+def ema_update(ema, model, decay, ok=None):
+    """θ_ema <- decay θ_ema + (1 - decay) θ, as one fused foreach op over all parameters; no change where ok = 0."""
+    weight = 1 - decay if ok is None else (1 - decay) * ok
+    torch._foreach_lerp_(list(ema.parameters()), list(model.parameters()), weight)
 
 
 def lr_at(step, tc):
@@ -863,12 +882,22 @@ def load_checkpoint(path, device):
         raise ConfigError(f"cannot read checkpoint {path} ({type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]})") from None
 
 
-def atomic_save(obj, path):
-    """torch.save to a temporary file, then rename: a crash mid-write never leaves a broken `path`."""
+def atomic_save(obj, path, keep_previous=False):
+    """torch.save to a temporary file, fsync, rename: a crash mid-write never leaves a broken `path`.
+    keep_previous: the file it replaces survives as *.prev.pt. A failed write (a full disk) removes the
+    temporary file, leaves `path` as it was, and raises TrainingError."""
     tmp = f"{path}.tmp"
-    torch.save(obj, tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
+    try:
+        torch.save(obj, tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+    except (OSError, RuntimeError) as e:  # torch.save reports some write failures as RuntimeError
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else (str(e).strip().splitlines() or [""])[0]
+        raise TrainingError(f"could not write {path} ({reason}); the previous checkpoint is intact") from None
+    if keep_previous and os.path.exists(path):
+        os.replace(path, previous_path(path))
     os.replace(tmp, path)
 
 
@@ -919,33 +948,170 @@ def resolve_device(name):
 
 
 # -----------------------------------------------------------------------------
+# Scale-out and survival: torchrun/DDP, checkpoints that are never lost, preemption
+
+
+class TrainingError(Exception):
+    """A run that cannot go on (a checkpoint that cannot be written, a loss that stays non-finite)."""
+
+
+def distributed_setup(tc):
+    """-> (rank, world, device). Under torchrun (WORLD_SIZE > 1) this process joins the group, NCCL
+    between GPUs (one per process: LOCAL_RANK) and gloo between CPU processes."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    device = resolve_device(tc.device)
+    if world == 1:
+        return 0, 1, device
+    if tc.batch_size % world:
+        raise ConfigError(f"batch_size {tc.batch_size} does not divide by the {world} processes "
+                          "(it is the global batch, split evenly across them)")
+    import torch.distributed as dist
+
+    rank = int(os.environ["RANK"])
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return rank, world, device
+
+
+def gather_rows(x, rank, world):
+    """Rows rank::world of a tensor from every rank -> the whole tensor in the original order (CPU)."""
+    if world == 1:
+        return x.cpu()
+    parts = [None] * world
+    torch.distributed.all_gather_object(parts, x.cpu())
+    out = torch.empty((sum(map(len, parts)), *x.shape[1:]), dtype=x.dtype)
+    for r, p in enumerate(parts):
+        out[r::world] = p
+    return out
+
+
+class Preemption:
+    """SIGTERM or SIGINT asks the run to stop: the current step finishes, a checkpoint is written, and
+    train() returns. Under DDP the ranks agree through an asynchronous all-reduce on a gloo group
+    (host memory: no GPU sync), read one step later, so all of them stop after the same step."""
+
+    def __init__(self, world):
+        self.signal, self.work, self.previous = None, None, {}
+        if threading.current_thread() is threading.main_thread():  # Python delivers signals to the main thread only
+            self.previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
+        self.group = torch.distributed.new_group(backend="gloo") if world > 1 else None
+
+    def _handle(self, signum, frame):
+        if signum == signal.SIGINT and self.signal == "SIGINT":
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now, without the checkpoint
+        self.signal = signal.Signals(signum).name
+
+    def requested(self):
+        if self.group is None:
+            return self.signal is not None
+        agreed = False
+        if self.work is not None:
+            self.work.wait()
+            agreed = bool(self.flag.item())
+        self.flag = torch.tensor([float(self.signal is not None)])
+        self.work = torch.distributed.all_reduce(self.flag, op=torch.distributed.ReduceOp.MAX, group=self.group,
+                                                 async_op=True)
+        if agreed and self.signal is None:
+            self.signal = "a signal to another rank"
+        return agreed
+
+    def close(self):
+        if self.work is not None:
+            self.work.wait()
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+
+def previous_path(path):
+    return path.replace(".pt", ".prev.pt")
+
+
+def save_checkpoint_files(state, export, out_dir):
+    """ckpt.pt (kept: the one before it, as ckpt.prev.pt) and the ema.pt export, each written atomically.
+    A failed write (a full disk) removes its temporary file and leaves the previous checkpoints as they were."""
+    ckpt_path = os.path.join(out_dir, "ckpt.pt")
+    atomic_save(state, ckpt_path, keep_previous=True)
+    atomic_save(export, os.path.join(out_dir, "ema.pt"))
+
+
+def load_resume_checkpoint(out_dir, device):
+    """The newest readable of ckpt.pt and ckpt.prev.pt; a corrupt or missing newest one is said in one line."""
+    path = os.path.join(out_dir, "ckpt.pt")
+    try:
+        return load_checkpoint(path, device), path
+    except ConfigError as e:
+        prev = previous_path(path)
+        if not os.path.exists(prev):
+            raise
+        print(f"warning: {e}; resuming from the previous checkpoint {prev}")
+        return load_checkpoint(prev, device), prev
+
+
+def restore(ckpt, path, mc, model, ema, opt, loader, world):
+    """Load a resumable checkpoint into the run's objects: weights, EMA, optimizer, data position, RNG
+    states. -> its step. A checkpoint of a different model is one ConfigError line."""
+    try:
+        saved = ckpt["model_config"]
+        as_list = lambda v: list(v) if isinstance(v, (tuple, list)) else v  # noqa: E731
+        changed = [k for k, v in asdict(mc).items() if as_list(saved.get(k)) != as_list(v)]
+        states = ckpt["model"], ckpt["ema"], ckpt["optimizer"], dict(ckpt["loader"]), ckpt["rng"], ckpt["step"]
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ConfigError(f"{path} is not a resumable ddpm checkpoint (no {e})") from None
+    if changed:
+        raise ConfigError(f"--resume: the model config differs from the checkpoint's in {', '.join(changed)}")
+    model_state, ema_state, opt_state, position, rng, step = states
+    model.load_state_dict(model_state)
+    ema.load_state_dict(ema_state)
+    opt.load_state_dict(opt_state)
+    saved_world = ckpt.get("world_size", 1)
+    if saved_world != world:  # the position counts per-rank images: keep the same place in the epoch
+        per_rank = position["index"] * saved_world // world
+        position["index"] = per_rank - per_rank % loader.batch_size
+        print(f"note: resuming {saved_world}-process training with {world}: the same epoch and place in it, "
+              "but not bitwise the run it would have been")
+    loader.load_state_dict(position)
+    torch.set_rng_state(rng["torch"])
+    if torch.cuda.is_available() and rng["cuda"]:
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    return step
+
+
+# -----------------------------------------------------------------------------
 # Training
 
 
 def train(mc, tc, preset="custom"):
     """Train from scratch or resume; returns the run folder. Fixed sections each step:
-    LR -> samples/checkpoint -> forward/backward/step -> EMA -> timing/log."""
+    LR -> samples/checkpoint/eval -> forward/backward/step -> EMA -> timing/log -> stop requests.
+    Under torchrun every rank runs this; rank 0 alone writes the run folder."""
     # ---- setup
-    device = resolve_device(tc.device)
+    rank, world, device = distributed_setup(tc)
+    lead = rank == 0  # rank 0 writes the run folder and prints
+    say = print if lead else (lambda *args, **kwargs: None)
     precision = resolve_precision(tc.precision, device)
-    if precision == "bf16" and device.type == "cpu" and not cpu_has_bf16():
+    if lead and precision == "bf16" and device.type == "cpu" and not cpu_has_bf16():
         print("warning: this CPU has no AVX512-BF16/AMX; bf16 will run far slower than --precision=fp32")
     set_matmul_precision(precision)
     out_dir = tc.out_dir or os.path.join("runs", f"{preset}-{time.strftime('%Y%m%d-%H%M%S')}")
     ckpt_path = os.path.join(out_dir, "ckpt.pt")
-    if tc.resume and not os.path.exists(ckpt_path):
+    have_ckpt = os.path.exists(ckpt_path) or os.path.exists(previous_path(ckpt_path))
+    if tc.resume and not have_ckpt:
         raise ConfigError(f"--resume: no checkpoint at {ckpt_path}")
-    if not tc.resume and os.path.exists(ckpt_path):
+    if not tc.resume and have_ckpt:
         raise ConfigError(f"{out_dir} already holds a checkpoint: pass --resume to continue it, or choose another --out_dir")
+    if world > 1 and not tc.out_dir:
+        raise ConfigError("under torchrun, give --out_dir (every rank must name the same run folder)")
     os.makedirs(out_dir, exist_ok=True)
 
-    loader, data_classes = make_loader(tc.loader, tc.dataset, tc.data_dir, mc.image_size, tc.batch_size, tc.seed,
-                                       device, hflip=tc.hflip, with_labels=mc.num_classes > 0,
+    loader, data_classes = make_loader(tc.loader, tc.dataset, tc.data_dir, mc.image_size, tc.batch_size // world,
+                                       tc.seed, device, hflip=tc.hflip, with_labels=mc.num_classes > 0,
                                        shapes_count=tc.shapes_count, beton_dir=tc.beton_dir, num_workers=tc.num_workers)
     if mc.num_classes > 0 and mc.num_classes != data_classes:
         raise ConfigError(f"num_classes={mc.num_classes}, but dataset '{tc.dataset}' has {data_classes} classes")
 
-    torch.manual_seed(tc.seed)  # after the data set-up, whose libraries may draw from the global RNG
+    torch.manual_seed(tc.seed)  # after the data set-up, whose libraries may draw from the global RNG; same on every rank
     model = UNet(mc, attention=tc.attention).to(device)
     ema = copy.deepcopy(model).requires_grad_(False).eval()
     diffusion = Diffusion(mc).to(device)
@@ -958,23 +1124,17 @@ def train(mc, tc, preset="custom"):
             ema.load_state_dict(src["ema"])
         except (KeyError, RuntimeError) as e:
             raise ConfigError(f"--init_from {tc.init_from}: weights do not fit this model ({str(e).splitlines()[0]})") from None
-        print(f"initialised from {tc.init_from}")
+        say(f"initialised from {tc.init_from}")
     if tc.resume:
-        ckpt = load_checkpoint(ckpt_path, device)
-        as_list = lambda v: list(v) if isinstance(v, (tuple, list)) else v  # noqa: E731
-        changed = [k for k, v in asdict(mc).items() if as_list(ckpt["model_config"].get(k)) != as_list(v)]
-        if changed:
-            raise ConfigError(f"--resume: the model config differs from the checkpoint's in {', '.join(changed)}")
-        model.load_state_dict(ckpt["model"])
-        ema.load_state_dict(ckpt["ema"])
-        opt.load_state_dict(ckpt["optimizer"])
-        loader.load_state_dict(ckpt["loader"])
-        step = ckpt["step"]
-        torch.set_rng_state(ckpt["rng"]["torch"])
-        if device.type == "cuda" and ckpt["rng"]["cuda"]:
-            torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
-        print(f"resumed {out_dir} at step {step}")
-    forward = torch.compile(model) if tc.compile else model
+        ckpt, path = load_resume_checkpoint(out_dir, device)
+        step = restore(ckpt, path, mc, model, ema, opt, loader, world)
+        say(f"resumed {out_dir} from {os.path.basename(path)} at step {step}")
+    net = model
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    forward = torch.compile(net) if tc.compile else net
     evaluator = None
     if tc.eval_every_steps:  # built now: missing Inception weights or data fail before training, not hours in
         import sample  # the evaluation lives with the sampling
@@ -987,40 +1147,83 @@ def train(mc, tc, preset="custom"):
     flops_per_step = train_flops_per_image(mc, tc.attention) * tc.batch_size
     peak, peak_source = peak_flops(device, precision)
     n_params = sum(p.numel() for p in model.parameters())
-    info = {
-        "preset": preset, "model": asdict(mc), "trainer": asdict(tc),
-        "resolved": {"out_dir": out_dir, "device": str(device), "precision": precision, "parameters": n_params,
-                     "train_flops_per_image": flops_per_step // tc.batch_size,
-                     "torchinfo_flops_per_image_x3": torchinfo_flops_per_image(mc),
-                     "peak_flops": peak, "peak_source": peak_source, "dataset_images": loader.n,
-                     "loader": type(loader).__name__},
-        "environment": environment(device),
-    }
-    with open(os.path.join(out_dir, "config.json" if not tc.resume else f"config-resume-{step}.json"), "w") as f:
-        json.dump(info, f, indent=2)
-    print(f"{out_dir}: {n_params / 1e6:.2f}M parameters, {loader.n} images ({type(loader).__name__}), {device} {precision}, "
-          f"{flops_per_step / tc.batch_size / 1e9:.3g} GFLOP/image fwd+bwd counted "
-          f"(torchinfo x3 estimate: {(info['resolved']['torchinfo_flops_per_image_x3'] or float('nan')) / 1e9:.3g}), "
-          f"MFU against {peak / 1e12:.3g} TFLOP/s ({peak_source})")
+    if lead:
+        info = {
+            "preset": preset, "model": asdict(mc), "trainer": asdict(tc),
+            "resolved": {"out_dir": out_dir, "device": str(device), "world_size": world, "precision": precision,
+                         "parameters": n_params, "train_flops_per_image": flops_per_step // tc.batch_size,
+                         "torchinfo_flops_per_image_x3": torchinfo_flops_per_image(mc),
+                         "peak_flops_per_device": peak, "peak_source": peak_source, "dataset_images": loader.n,
+                         "loader": type(loader).__name__},
+            "environment": environment(device),
+        }
+        with open(os.path.join(out_dir, "config.json" if not tc.resume else f"config-resume-{step}.json"), "w") as f:
+            json.dump(info, f, indent=2)
+        print(f"{out_dir}: {n_params / 1e6:.2f}M parameters, {loader.n} images ({type(loader).__name__}), "
+              f"{world} x {device} {precision}, {flops_per_step / tc.batch_size / 1e9:.3g} GFLOP/image fwd+bwd counted "
+              f"(torchinfo x3 estimate: {(info['resolved']['torchinfo_flops_per_image_x3'] or float('nan')) / 1e9:.3g}), "
+              f"MFU against {peak / 1e12:.3g} TFLOP/s per device ({peak_source})")
 
     def ema_model(z, t, y):
         with autocast(device, precision):
             return ema(z, t, y)
 
     def save_samples(step):
-        y = torch.arange(tc.num_samples, device=device) % mc.num_classes if mc.num_classes > 0 else None
-        g = torch.Generator().manual_seed(tc.seed)  # the same noise every time: grids are comparable across steps
-        x = diffusion.sample(ema_model, (tc.num_samples, mc.channels, mc.image_size, mc.image_size),
+        """Each rank draws its share of the grid, rank 0 saves it: no rank idles while another samples."""
+        mine = torch.arange(rank, tc.num_samples, world)
+        y = (mine % mc.num_classes).to(device) if mc.num_classes > 0 else None
+        g = torch.Generator().manual_seed(tc.seed + rank)  # the same noise every time: grids are comparable across steps
+        x = diffusion.sample(ema_model, (len(mine), mc.channels, mc.image_size, mc.image_size),
                              sampler=tc.sampler, steps=tc.sample_steps or None, y=y, guidance=tc.guidance, generator=g)
-        save_grid(x, os.path.join(out_dir, f"samples_{step:07d}.png"))
+        x = gather_rows(x, rank, world)
+        if lead:
+            save_grid(x, os.path.join(out_dir, f"samples_{step:07d}.png"))
+            plot_losses(metrics_path, os.path.join(out_dir, "loss.png"))
 
     def save_checkpoint(step):
+        if not lead:  # written once; the other ranks hold the same state
+            return
         rng = {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if device.type == "cuda" else []}
-        atomic_save({"model": model.state_dict(), "ema": ema.state_dict(), "optimizer": opt.state_dict(),
-                     "loader": loader.state_dict(), "step": step, "rng": rng,
-                     "model_config": asdict(mc), "trainer_config": asdict(tc)}, ckpt_path)
-        atomic_save({"ema": ema.state_dict(), "model_config": asdict(mc), "trainer_config": asdict(tc), "step": step},
-                    os.path.join(out_dir, "ema.pt"))
+        state = {"model": model.state_dict(), "ema": ema.state_dict(), "optimizer": opt.state_dict(),
+                 "loader": loader.state_dict(), "world_size": world, "step": step, "rng": rng,
+                 "nonfinite_skipped": skipped_total + int(skipped[0].item()),
+                 "model_config": asdict(mc), "trainer_config": asdict(tc)}
+        export = {"ema": ema.state_dict(), "model_config": asdict(mc), "trainer_config": asdict(tc), "step": step}
+        save_checkpoint_files(state, export, out_dir)
+
+    def log(row):
+        if lead:
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    def log_interval(step, lr, grad_norm):
+        """One metrics.jsonl row, and the interval's only GPU->CPU sync. Under DDP the loss sums are all-reduced."""
+        nonlocal skipped_total
+        if world > 1:
+            torch.distributed.all_reduce(sums)
+        s, (n_skipped, _, longest) = sums.tolist(), skipped.tolist()  # every rank skips the same steps
+        step_ms = statistics.median(timer.read_ms() or [float("nan")])
+        row = {"step": step, "loss": s[0] / s[9] if s[9] else None, "lr": lr,
+               **{f"loss_q{q}": (s[1 + q] / s[5 + q] if s[5 + q] else None) for q in range(4)},
+               "grad_norm": grad_norm.item(), "nonfinite_skipped": int(n_skipped),
+               "step_ms": step_ms, "img_per_s": tc.batch_size / step_ms * 1e3,
+               "tflops": flops_per_step / step_ms / 1e9, "mfu": mfu(flops_per_step, step_ms / 1e3, peak * world),
+               "kimg": step * tc.batch_size / 1e3, "wall_s": time.time() - t_start}
+        row = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+        log(row)
+        skipped_total += int(n_skipped)
+        sums.zero_()
+        skipped[0], skipped[2] = 0, skipped[1]
+        if longest >= tc.max_nonfinite_steps:
+            raise TrainingError(f"{int(longest)} consecutive steps had a non-finite loss or gradient (up to step {step}), "
+                                f"all skipped; stopping. The checkpoints in {out_dir} hold finite weights from before "
+                                "them: lower --lr or check the data, then --resume")
+        if lead:
+            if row["img_per_s"] is not None and row["loss"] is not None:
+                pbar.set_postfix_str(f"loss {row['loss']:.4f} | {row['img_per_s']:.0f} img/s | "
+                                     f"{row['tflops']:.3f} TFLOP/s | MFU {100 * row['mfu']:.1f}%")
+            elif row["loss"] is not None:
+                pbar.set_postfix_str(f"loss {row['loss']:.4f}")
 
     # ---- the loop
     from tqdm import tqdm
@@ -1028,81 +1231,85 @@ def train(mc, tc, preset="custom"):
     metrics_path = os.path.join(out_dir, "metrics.jsonl")
     timer = StepTimer(device)
     timing_warmup = step + 5  # the first steps after (re)start (compilation, allocator warm-up) stay off the clock
-    loss_sum, n_accum = torch.zeros((), device=device), 0
-    q_sum, q_count = torch.zeros(4, device=device), torch.zeros(4, device=device)
+    sums = torch.zeros(10, device=device)  # loss, loss per t quartile (4), count per quartile (4), steps: summed on device
+    skipped = torch.zeros(3, device=device)  # skipped steps in this interval, the current run of them, the longest run
+    skipped_total = ckpt.get("nonfinite_skipped", 0) if tc.resume else 0  # over the whole run
+    preempt = Preemption(world)
     start_step, t_start = step, time.time()
-    pbar = tqdm(total=tc.max_steps, initial=step, dynamic_ncols=True, desc="train")
-    while True:
-        last_step = step == tc.max_steps
+    pbar = tqdm(total=tc.max_steps, initial=step, dynamic_ncols=True, desc="train", disable=not lead)
+    try:
+        while True:
+            last_step = step == tc.max_steps
 
-        # 1. learning rate
-        lr = lr_at(step, tc)
-        for g in opt.param_groups:
-            g["lr"] = lr
+            # 1. learning rate
+            lr = lr_at(step, tc)
+            for g in opt.param_groups:
+                g["lr"] = lr
 
-        # 2. sample grid and checkpoint (off the clock)
-        if step > start_step and (last_step or (tc.sample_every_steps and step % tc.sample_every_steps == 0)):
-            save_samples(step)
-            plot_losses(metrics_path, os.path.join(out_dir, "loss.png"))
-        if step > start_step and (last_step or (tc.ckpt_every_steps and step % tc.ckpt_every_steps == 0)):
-            save_checkpoint(step)
-        if evaluator and step > start_step and (last_step or step % tc.eval_every_steps == 0):
-            row = {"step": step, **evaluator(ema, precision)}
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(row) + "\n")
-            pbar.write(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
-        if last_step:
-            break
+            # 2. sample grid, checkpoint, evaluation (off the clock)
+            if step > start_step and (last_step or (tc.sample_every_steps and step % tc.sample_every_steps == 0)):
+                save_samples(step)
+            if step > start_step and (last_step or (tc.ckpt_every_steps and step % tc.ckpt_every_steps == 0)):
+                save_checkpoint(step)
+            if evaluator and step > start_step and (last_step or step % tc.eval_every_steps == 0):
+                row = {"step": step, **evaluator(ema, precision)}
+                log(row)
+                say(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
+            if last_step:
+                break
 
-        # 3. forward / backward / step
-        if step >= timing_warmup:
-            timer.start()
-        x0, y = loader.next()
-        loss, grad_norm = train_step(forward, diffusion, opt, x0, y, precision, tc.grad_clip)
+            # 3. forward / backward / step (skipped if anything is non-finite)
+            if step >= timing_warmup:
+                timer.start()
+            x0, y = loader.next()
+            loss, grad_norm, ok = train_step(forward, diffusion, opt, x0, y, precision, tc.grad_clip, (rank, world))
 
-        # 4. EMA
-        ema_update(ema, model, ema_decay_at(step, tc) if tc.ema_decay > 0 else 0.0)
-        if step >= timing_warmup:
-            timer.stop()
+            # 4. EMA
+            ema_update(ema, model, ema_decay_at(step, tc) if tc.ema_decay > 0 else 0.0, ok)
+            if step >= timing_warmup:
+                timer.stop()
 
-        # 5. timing and logging
-        loss_sum += loss
-        n_accum += 1
-        quartile = diffusion.last_t * 4 // mc.timesteps
-        q_sum.index_add_(0, quartile, diffusion.last_losses)
-        q_count.index_add_(0, quartile, torch.ones_like(diffusion.last_losses))
-        step += 1
-        pbar.update(1)
-        if step % tc.log_every_steps == 0 or step == tc.max_steps:
-            step_ms = statistics.median(timer.read_ms() or [float("nan")])  # note: a CPU-GPU sync point
-            row = {"step": step, "loss": loss_sum.item() / n_accum, "lr": lr,  # note: .item() is a sync point
-                   **{f"loss_q{q}": (a / c if c else None) for q, (a, c) in enumerate(zip(q_sum.tolist(), q_count.tolist()))},
-                   "grad_norm": grad_norm.item() if grad_norm is not None else None,
-                   "step_ms": step_ms, "img_per_s": tc.batch_size / step_ms * 1e3,
-                   "tflops": flops_per_step / step_ms / 1e9, "mfu": mfu(flops_per_step, step_ms / 1e3, peak),
-                   "kimg": step * tc.batch_size / 1e3, "wall_s": time.time() - t_start}
-            row = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(row) + "\n")
-            loss_sum.zero_(), q_sum.zero_(), q_count.zero_()
-            n_accum = 0
-            if row["img_per_s"] is not None:
-                pbar.set_postfix_str(f"loss {row['loss']:.4f} | {row['img_per_s']:.0f} img/s | "
-                                     f"{row['tflops']:.3f} TFLOP/s | MFU {100 * row['mfu']:.1f}%")
-            else:
-                pbar.set_postfix_str(f"loss {row['loss']:.4f}")
-    pbar.close()
-    print(f"done: {out_dir} (step {step}, {time.time() - t_start:.0f} s)")
+            # 5. accounting on the device, read at log intervals only
+            quartile = diffusion.last_t * 4 // mc.timesteps
+            sums[0] += loss * ok
+            sums[1:5].index_add_(0, quartile, diffusion.last_losses * ok)
+            sums[5:9].index_add_(0, quartile, torch.ones_like(diffusion.last_losses) * ok)
+            sums[9] += ok
+            skipped[0] += 1 - ok
+            skipped[1] = (skipped[1] + 1) * (1 - ok)
+            skipped[2] = torch.maximum(skipped[2], skipped[1])
+            step += 1
+            pbar.update(1)
+            if step % tc.log_every_steps == 0 or step == tc.max_steps:
+                log_interval(step, lr, grad_norm)
+
+            # 6. a stop request (SIGTERM, SIGINT) ends the run after this step, with a checkpoint
+            if preempt.requested():
+                save_checkpoint(step)
+                say(f"stopped by {preempt.signal} after step {step}: checkpoint saved in {out_dir}; continue with --resume")
+                return out_dir
+    finally:
+        preempt.close()
+        pbar.close()
+    say(f"done: {out_dir} (step {step}, {time.time() - t_start:.0f} s)")
     return out_dir
 
 
 def main(argv=None):
+    """Bad input exits 2, a run that cannot go on exits 1; each with one line, never a traceback."""
+    rank = f"[rank {os.environ.get('RANK')}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
     try:
         mc, tc, preset = parse_args(sys.argv[1:] if argv is None else argv)
         train(mc, tc, preset)
     except (ConfigError, DataError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"{rank}error: {e}", file=sys.stderr)
         sys.exit(2)
+    except TrainingError as e:
+        print(f"{rank}error: {e}", file=sys.stderr)
+        sys.exit(1)
+    finally:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

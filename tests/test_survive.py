@@ -1,0 +1,217 @@
+"""Scale-out and survival: 2 gloo processes equal 1, preemption, checkpoint fallback, non-finite steps,
+a full disk and other bad input: each ends in one clear line and never loses a checkpoint."""
+import errno
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import tiny_model, tiny_trainer
+
+import data
+import ddpm
+from ddpm import ConfigError, TrainingError, train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--image_size=16", "--base_channels=16", "--channel_mult=1,2", "--num_res_blocks=1", "--attn_resolutions=8",
+        "--dropout=0", "--timesteps=100", "--dataset=shapes", "--shapes_count=256", "--compile=false", "--precision=fp32",
+        "--lr=2e-3", "--warmup_steps=2", "--sample_every_steps=0", "--ckpt_every_steps=0", "--num_samples=4",
+        "--sampler=ddim", "--sample_steps=3"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # two processes on two cores
+
+
+def cli(*args, launcher=(sys.executable,), env=ENV, **kw):
+    return subprocess.run([*launcher, "ddpm.py", *TINY, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600, **kw)
+
+
+def weights(run):
+    return torch.load(os.path.join(run, "ckpt.pt"), weights_only=True)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_gloo_processes_equal_one_with_the_same_global_batch(tmp_path):
+    loader = "ffcv" if data.ffcv_available() else "torch"  # FFCV in its distributed mode where it is installed
+    common = ["--num_classes=4", "--batch_size=16", "--max_steps=6", "--log_every_steps=3", f"--loader={loader}",
+              f"--beton_dir={tmp_path / 'betons'}"]
+    one = cli(*common, f"--out_dir={tmp_path / 'one'}")
+    assert one.returncode == 0, one.stderr
+    two = cli(*common, f"--out_dir={tmp_path / 'two'}", launcher=(
+        sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
+        "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}"))
+    assert two.returncode == 0, two.stderr[-3000:]
+    a, b = weights(tmp_path / "one"), weights(tmp_path / "two")
+    assert b["world_size"] == 2 and b["step"] == 6
+    # The same training to float tolerance. Compared per element, parameters whose true gradient is ~0 differ:
+    # Adam turns float-rounding noise in such a gradient into an lr-sized step of either sign. So the
+    # check is on the whole update: the two runs' weights differ by < 1% of how far training moved them.
+    mc, _, _ = ddpm.parse_args(TINY + ["--num_classes=4"])
+    torch.manual_seed(0)
+    init = torch.cat([v.flatten() for v in ddpm.UNet(mc).state_dict().values()])
+    for part in ("model", "ema"):
+        wa, wb = (torch.cat([w[part][k].flatten() for k in w[part]]) for w in (a, b))
+        assert (wa - wb).norm() < 0.01 * (wa - init).norm(), part
+    rows_a = [json.loads(x) for x in open(tmp_path / "one" / "metrics.jsonl")]
+    rows_b = [json.loads(x) for x in open(tmp_path / "two" / "metrics.jsonl")]
+    assert [r["step"] for r in rows_b] == [3, 6]  # one writer
+    for ra, rb in zip(rows_a, rows_b):  # the logged loss is the global batch's, all-reduced
+        assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-5)
+        assert rb["grad_norm"] == pytest.approx(ra["grad_norm"], rel=1e-4)
+    assert json.load(open(tmp_path / "two" / "config.json"))["resolved"]["world_size"] == 2
+
+
+def test_batch_size_must_divide_by_the_world_size(tmp_path):
+    env = {**ENV, "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
+    r = cli("--batch_size=15", f"--out_dir={tmp_path / 'run'}", env=env)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "batch_size 15 does not divide by the 2 processes" in lines[0]
+
+
+def test_sigterm_saves_then_resume_is_bitwise_a_straight_run(tmp_path):
+    run, straight = tmp_path / "run", tmp_path / "straight"
+    args = ["--batch_size=8", "--log_every_steps=1", "--warmup_steps=0", "--loader=torch"]
+    p = subprocess.Popen([sys.executable, "ddpm.py", *TINY, *args, "--max_steps=100000", f"--out_dir={run}"],
+                         cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = run / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        time.sleep(0.2)
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err
+    assert "stopped by SIGTERM" in out and "Traceback" not in err
+    stopped = weights(run)["step"]
+    assert 3 <= stopped < 100000
+
+    # every run in a fresh process of its own, as a cluster would start them
+    for extra in ([f"--out_dir={run}", "--resume"], [f"--out_dir={straight}"]):
+        r = cli(*args, f"--max_steps={stopped + 3}", *extra)
+        assert r.returncode == 0, r.stderr
+    a, b = weights(straight), weights(run)
+    assert a["step"] == b["step"] == stopped + 3
+    for part in ("model", "ema"):
+        for k in a[part]:
+            assert torch.equal(a[part][k], b[part][k]), (part, k)
+    assert torch.equal(a["rng"]["torch"], b["rng"]["torch"]) and a["loader"] == b["loader"]
+
+
+def test_a_corrupt_checkpoint_falls_back_to_the_previous_good_one(tmp_path, capsys):
+    out = tmp_path / "run"
+    train(tiny_model(), tiny_trainer(out, max_steps=4, ckpt_every_steps=2), preset="test")
+    assert torch.load(out / "ckpt.prev.pt", weights_only=True)["step"] == 2  # the last good one is kept
+    good = (out / "ckpt.pt").read_bytes()
+    (out / "ckpt.pt").write_bytes(good[: len(good) // 3])  # truncated
+    train(tiny_model(), tiny_trainer(out, max_steps=6, resume=True), preset="test")
+    said = capsys.readouterr().out
+    assert "cannot read checkpoint" in said and "resuming from the previous checkpoint" in said
+    assert "at step 2" in said and weights(out)["step"] == 6
+
+
+def test_checkpoints_load_with_weights_only(tmp_path):
+    out = tmp_path / "run"
+    train(tiny_model(), tiny_trainer(out, max_steps=2), preset="test")
+    for name in ("ckpt.pt", "ema.pt"):
+        torch.load(out / name, weights_only=True)  # raises if anything but tensors and plain containers is inside
+    evil = tmp_path / "evil.pt"
+    torch.save({"x": object()}, evil)  # a pickle that weights_only refuses
+    with pytest.raises(ConfigError, match="cannot read checkpoint"):
+        ddpm.load_checkpoint(str(evil), "cpu")
+
+
+def nan_after(monkeypatch, first_bad, last_bad=10**9):
+    """Make Diffusion.loss return NaN on calls first_bad..last_bad (0-based)."""
+    real, calls = ddpm.Diffusion.loss, []
+
+    def loss(self, *args, **kw):
+        value = real(self, *args, **kw)
+        calls.append(1)
+        return value * float("nan") if first_bad <= len(calls) - 1 <= last_bad else value
+
+    monkeypatch.setattr(ddpm.Diffusion, "loss", loss)
+
+
+def test_non_finite_steps_are_skipped_and_counted(tmp_path, monkeypatch):
+    nan_after(monkeypatch, 2, 3)
+    out = tmp_path / "run"
+    train(tiny_model(), tiny_trainer(out, max_steps=6, log_every_steps=1), preset="test")
+    rows = [json.loads(x) for x in open(out / "metrics.jsonl")]
+    assert [r["nonfinite_skipped"] for r in rows] == [0, 0, 1, 1, 0, 0]
+    assert rows[2]["loss"] is None and rows[4]["loss"] is not None
+    ckpt = weights(out)
+    assert ckpt["nonfinite_skipped"] == 2
+    assert all(s["step"].item() == 4 for s in ckpt["optimizer"]["state"].values())  # AdamW took 4 of the 6 steps
+    assert all(torch.isfinite(v).all() for v in ckpt["model"].values())
+
+
+def test_k_consecutive_non_finite_steps_stop_the_run_and_keep_the_checkpoint(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    train(tiny_model(), tiny_trainer(out, max_steps=2), preset="test")
+    before = (out / "ckpt.pt").read_bytes()
+    nan_after(monkeypatch, 0)
+    with pytest.raises(SystemExit) as e:
+        ddpm.main(["--image_size=16", "--base_channels=16", "--channel_mult=1,2", "--num_res_blocks=1",
+                   "--attn_resolutions=8", "--timesteps=100", "--dataset=shapes", "--shapes_count=512", "--loader=torch",
+                   "--compile=false", "--precision=fp32", "--batch_size=16", "--lr=2e-3", "--warmup_steps=5",
+                   "--ema_decay=0.99", "--dropout=0", "--log_every_steps=1", "--sample_every_steps=0",
+                   "--ckpt_every_steps=0", "--max_steps=50", "--max_nonfinite_steps=3", f"--out_dir={out}", "--resume"])
+    assert e.value.code == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1].startswith("error: 3 consecutive steps had a non-finite loss or gradient")
+    assert (out / "ckpt.pt").read_bytes() == before
+
+
+def test_a_full_disk_never_loses_the_previous_checkpoint(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    train(tiny_model(), tiny_trainer(out, max_steps=2), preset="test")
+    before = (out / "ckpt.pt").read_bytes()
+    real_save = torch.save
+
+    def full_disk(obj, f, *args, **kw):
+        real_save(obj, f, *args, **kw)
+        with open(f, "r+b") as fh:
+            fh.truncate(100)  # part of the file made it to disk, then the disk filled up
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(TrainingError, match="No space left on device.*previous checkpoint is intact"):
+        train(tiny_model(), tiny_trainer(out, max_steps=4, resume=True), preset="test")
+    assert (out / "ckpt.pt").read_bytes() == before
+    assert not [f for f in os.listdir(out) if f.endswith(".tmp")]
+
+
+def test_a_corrupt_beton_is_one_line(tmp_path):
+    if not data.ffcv_available():
+        pytest.skip("ffcv is not installed")
+    betons = tmp_path / "betons"
+    path, _ = data.beton_for("shapes", "unused", 16, str(betons), shapes_count=256)
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    r = cli("--batch_size=8", "--max_steps=2", "--loader=ffcv", f"--beton_dir={betons}", f"--out_dir={tmp_path / 'run'}")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cannot read the beton" in lines[0] and "delete it" in lines[0]
+
+
+@pytest.mark.parametrize("make,needle", [
+    (lambda d: d.mkdir(), "holds no images"),
+    (lambda d: (d.mkdir(), (d / "a.png").write_bytes(b"not a png")), "could be read"),
+    (lambda d: None, "does not exist"),
+])
+def test_empty_or_unreadable_image_folders_are_one_line(tmp_path, make, needle):
+    folder = tmp_path / "images"
+    make(folder)
+    r = cli("--dataset=folder", f"--data_dir={folder}", "--loader=torch", f"--out_dir={tmp_path / 'run'}")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0]
