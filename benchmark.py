@@ -4,9 +4,11 @@
     python benchmark.py --preset ho --json ho.json
     python benchmark.py --device cpu             # a reduced ladder: small batches and iteration counts (~2 min)
 
-Rows, each adding one change to the row above (a skipped row adds nothing):
-  baseline (fp32, batch 128, eager, math attention, a typical torch DataLoader) -> scale up batch
-  -> torch.compile -> PyTorch SDPA -> bf16 autocast -> FFCV loading -> patch_size P (--patch_size, 2).
+Rows, each adding one change to the row above (a skipped or failed row adds nothing):
+  baseline (fp32, batch 128, eager, math attention, NCHW, a typical torch DataLoader) -> scale up batch
+  -> torch.compile -> PyTorch SDPA -> bf16 autocast -> channels_last -> FFCV loading
+  -> device-resident data (the whole dataset on the device, against FFCV) -> compile max-autotune
+  (--autotune) -> CUDA graphs (compile mode reduce-overhead) -> patch_size P (--patch_size, 2).
 Every row times the training step that ddpm.py runs (`train_step` + `ema_update`, data loading
 included), with CUDA events on a GPU: the median over `--iters` iterations after `--warmup`
 (compilation and warm-up stay off the clock). FLOPs are counted by torch.utils.flop_counter
@@ -34,12 +36,17 @@ from unet import UNet
 
 # (name, the change it makes to the row above); batch "max" searches the largest batch that fits
 LADDER = [
-    ("baseline", dict(precision="fp32", compile=False, attention="math", loader="dataloader", batch="base")),
+    ("baseline", dict(precision="fp32", compile=False, compile_mode="default", attention="math", channels_last=False,
+                      loader="dataloader", batch="base")),
     ("scale up batch", dict(batch="max")),
     ("torch.compile", dict(compile=True)),
     ("PyTorch SDPA", dict(attention="sdpa", batch="max")),
     ("bf16 autocast", dict(precision="bf16", batch="max")),
+    ("channels_last", dict(channels_last=True)),
     ("FFCV loading", dict(loader="ffcv")),
+    ("device-resident data", dict(loader="resident")),  # the whole dataset on the device, against FFCV above
+    ("compile max-autotune", dict(compile_mode="max-autotune")),
+    ("CUDA graphs", dict(compile_mode="reduce-overhead")),  # replaces max-autotune (or adds to default)
     ("patch_size P", dict(patch_size="P")),  # P = --patch_size; same width and batch as the row above
 ]
 
@@ -47,14 +54,17 @@ LADDER = [
 def build(mc, row, batch, device, images, labels, beton):
     """Model, diffusion, optimizer, EMA and loader for one row, exactly as ddpm.train sets them up."""
     torch.manual_seed(0)
-    model = UNet(mc, attention=row["attention"]).to(device)
-    ema = UNet(mc, attention=row["attention"]).to(device).requires_grad_(False)
-    tc = ddpm.TrainerConfig(batch_size=batch)
+    tc = ddpm.TrainerConfig(batch_size=batch, compile=row["compile"], compile_mode=row["compile_mode"],
+                            channels_last=row["channels_last"])
+    model = UNet(mc, attention=row["attention"]).to(device, memory_format=ddpm.memory_format(tc))
+    ema = UNet(mc, attention=row["attention"]).to(device, memory_format=ddpm.memory_format(tc)).requires_grad_(False)
     opt = ddpm.make_optimizer(model, tc, device)
-    forward = torch.compile(model) if row["compile"] else model
+    forward = ddpm.compiled(model, tc)
     with_labels = mc.num_classes > 0
     if row["loader"] == "dataloader":
         loader = data.DataLoaderAdapter(images, labels, batch, device, with_labels)
+    elif row["loader"] == "resident":
+        loader = data.ResidentLoader(images, labels, batch, 0, device, with_labels=with_labels)
     else:
         loader = data.FFCVLoader(beton, batch, 0, device, with_labels=with_labels)
     return model, ema, ddpm.Diffusion(mc).to(device), opt, forward, loader
@@ -75,7 +85,7 @@ def time_steps(mc, row, batch, device, images, labels, beton, warmup, iters):
             if i >= warmup:
                 timer.start()
             x0, y = loader.next()
-            ddpm.train_step(forward, diffusion, opt, x0, y, row["precision"], grad_clip=1.0)
+            ddpm.train_step(forward, diffusion, opt, x0, y, row["precision"], 1.0, channels_last=row["channels_last"])
             ddpm.ema_update(ema, model, 0.9999)
             if i >= warmup:
                 timer.stop()
@@ -117,6 +127,7 @@ def main(argv=None):
     p.add_argument("--skip", default="", help="comma-separated row names to skip, e.g. 'torch.compile'")
     p.add_argument("--patch_size", type=int, default=2, help="P of the last row, compared with P = 1 at the same width and batch")
     p.add_argument("--cpu_compile", action="store_true", help="also run the torch.compile row on the CPU")
+    p.add_argument("--autotune", action="store_true", help="also run the compile max-autotune row (many minutes of compiling)")
     p.add_argument("--json", help="write the rows to this file")
     args = p.parse_args(argv)
     try:
@@ -154,11 +165,17 @@ def main(argv=None):
             reason = "no bf16 hardware on this device"
         elif trial["compile"] and not gpu and not args.cpu_compile:
             reason = "compiling takes minutes on the CPU; --cpu_compile includes it"
+        elif name == "compile max-autotune" and not args.autotune:
+            reason = "its kernel search takes many minutes; --autotune includes it"
+        elif trial["compile_mode"] == "reduce-overhead" and not gpu:
+            reason = "CUDA graphs need a GPU"
+        elif trial["compile_mode"] != "default" and not trial["compile"]:
+            reason = "needs the torch.compile row"
         if reason:
             print(f"{name}: {reason}")
             rows.append({"version": name, "skipped": reason})
             continue
-        cfg = trial
+        prev, cfg = cfg, trial
         if name == "patch_size P":
             name = f"patch_size {args.patch_size}"
         mc_row = dataclasses.replace(mc, patch_size=args.patch_size if "patch_size" in cfg else mc.patch_size)
@@ -183,8 +200,15 @@ def main(argv=None):
         beton = None
         if cfg["loader"] == "ffcv":  # the same images as a beton, written once per size and reused
             beton, _ = data.beton_for("shapes", "", mc.image_size, "data/betons", shapes_count=len(images))
-        ms, mem = time_steps(mc_row, cfg, batch, device, images, labels, beton,
-                             warmup, iters)
+        try:
+            ms, mem = time_steps(mc_row, cfg, batch, device, images, labels, beton, warmup, iters)
+        except (RuntimeError, torch.cuda.OutOfMemoryError) as e:  # e.g. a compile mode this torch cannot do here
+            reason = f"failed: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
+            print(f"{name}: {reason}")
+            rows.append({"version": name, "skipped": reason})
+            cfg = prev  # a failed row adds nothing, as a skipped one
+            free_memory(device)
+            continue
         free_memory(device)
         flops = ddpm.train_flops_per_image(mc_row) * batch
         info = ddpm.torchinfo_flops_per_image(mc_row)
@@ -192,7 +216,8 @@ def main(argv=None):
         sheet = ddpm.datasheet_peak(device, cfg["precision"])
         measured = ddpm.measure_matmul_flops(device, dtype)
         row = {"version": name, "batch": batch, "precision": cfg["precision"], "compile": cfg["compile"],
-               "attention": cfg["attention"], "loader": cfg["loader"], "patch_size": mc_row.patch_size,
+               "compile_mode": cfg["compile_mode"], "attention": cfg["attention"], "channels_last": cfg["channels_last"],
+               "loader": cfg["loader"], "patch_size": mc_row.patch_size,
                "step_ms": ms, "img_per_s": batch / ms * 1e3, "tflops": flops / ms / 1e9,
                "tflops_torchinfo_x3": info * batch / ms / 1e9 if info else None,
                "mfu_datasheet": ddpm.mfu(flops, ms / 1e3, sheet) if sheet else None,

@@ -261,6 +261,14 @@ def shard(order, n):
     return order[rank::world][: n // world]
 
 
+def to_device(x, device):
+    """A host tensor to the device without a host sync: a copy from pageable memory would wait for
+    the GPU's queue to drain first, so it goes through pinned memory."""
+    if device.type == "cuda" and x.device.type == "cpu":
+        x = x.pin_memory()
+    return x.to(device, non_blocking=True)
+
+
 class Loader:
     """Endless shuffled batches (drop_last) with random horizontal flips, normalised on the device.
 
@@ -304,10 +312,7 @@ class Loader:
 
     def _fetch(self, idx):
         """The uint8 images and labels of dataset indices idx, on the device."""
-        x = self.images[idx]
-        if self.device.type == "cuda":
-            x = x.pin_memory()
-        return x.to(self.device, non_blocking=True), self.labels[idx].to(self.device, non_blocking=True)
+        return to_device(self.images[idx], self.device), to_device(self.labels[idx], self.device)
 
     def _finish(self, x, y, flips):
         """uint8 -> [-1, 1] and the flips, on the device, as contiguous NCHW whatever layout arrived
@@ -315,7 +320,7 @@ class Loader:
         even under bf16 autocast: q_sample's √ᾱ coefficients need it, and autocast casts at the first conv."""
         x = x.to(torch.float32, memory_format=torch.contiguous_format).div_(127.5).sub_(1.0)
         if self.hflip:
-            flips = flips.to(self.device, non_blocking=True)
+            flips = to_device(flips, self.device)
             x = torch.where(flips[:, None, None, None], x.flip(3), x)
         return x, (y if self.with_labels else None)
 
@@ -382,6 +387,21 @@ class FFCVLoader(Loader):
         return next(self.batches)  # FFCV follows self.order, so this batch holds images idx
 
 
+class ResidentLoader(Loader):
+    """Loader with the whole uint8 dataset on the device (CIFAR-10 is 150 MB): a batch is one gather
+    there, with no host work or copy at all. For datasets that fit in device memory."""
+
+    def __init__(self, images, labels, batch_size, seed, device, hflip=True, with_labels=False):
+        super().__init__(images.to(device), labels.to(device), batch_size, seed, device, hflip, with_labels)
+
+    def _start_epoch(self):  # the epoch's order and flips go to the device once, not a batch at a time
+        super()._start_epoch()
+        self.order, self.flips = to_device(self.order, self.device), to_device(self.flips, self.device)
+
+    def _fetch(self, idx):
+        return self.images[idx], self.labels[idx]
+
+
 def TYPICAL_TRANSFORM():
     """The per-sample augmentation a typical torchvision pipeline applies."""
     import torchvision.transforms as T
@@ -429,7 +449,8 @@ class DataLoaderAdapter:
 def make_loader(kind, dataset, data_dir, image_size, batch_size, seed, device, *, hflip=True, with_labels=False,
                 shapes_count=50_000, beton_dir="data/betons", num_workers=2):
     """-> (loader, num_classes). kind 'ffcv' reads a cached .beton; 'torch', or 'ffcv' when ffcv cannot
-    be imported (said in one warning line), gathers from uint8 tensors in memory."""
+    be imported (said in one warning line), gathers from uint8 tensors in memory; 'resident' keeps
+    them on the device."""
     if kind == "ffcv" and not ffcv_available():
         print("warning: ffcv cannot be imported (see README: make setup); using the torch loader instead")
         kind = "torch"
@@ -437,7 +458,8 @@ def make_loader(kind, dataset, data_dir, image_size, batch_size, seed, device, *
         path, num_classes = beton_for(dataset, data_dir, image_size, beton_dir, shapes_count)
         return FFCVLoader(path, batch_size, seed, device, hflip, with_labels, num_workers), num_classes
     images, labels, num_classes = load_dataset(dataset, data_dir, image_size, shapes_count)
-    return Loader(images, labels, batch_size, seed, device, hflip, with_labels), num_classes
+    cls = ResidentLoader if kind == "resident" else Loader
+    return cls(images, labels, batch_size, seed, device, hflip, with_labels), num_classes
 
 
 # -----------------------------------------------------------------------------

@@ -20,5 +20,5 @@ else
 fi
 # batch searches are capped so that 5 warm-up + 50 timed steps per row fit the budget; rows are saved
 # to the JSON as they finish, so a ladder cut off by its timeout keeps the rows it measured
-timeout 200 python3 benchmark.py --preset seed --max_batch 1024 --warmup 5 --json "$out/seed.json" 2>&1 | tee "$out/seed.md"
-timeout 200 python3 benchmark.py --preset ho --max_batch 512 --warmup 5 --json "$out/ho.json" 2>&1 | tee "$out/ho.md"
+timeout 220 python3 benchmark.py --preset seed --max_batch 1024 --warmup 5 --json "$out/seed.json" 2>&1 | tee "$out/seed.md"
+timeout 180 python3 benchmark.py --preset ho --max_batch 512 --warmup 5 --json "$out/ho.json" 2>&1 | tee "$out/ho.md"

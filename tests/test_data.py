@@ -5,7 +5,7 @@ import pytest
 import torch
 from PIL import Image
 
-from data import DataError, Loader, image_folder, load_dataset, shapes
+from data import DataError, Loader, ResidentLoader, image_folder, load_dataset, shapes
 
 
 def test_shapes_is_deterministic_any_size_and_labelled():
@@ -93,3 +93,12 @@ def test_drop_last():
     seen = [loader.next()[1] for _ in range(2)]
     assert loader.next()[1].numel() == 8 and loader.state_dict()["epoch"] == 1
     assert len(set(torch.cat(seen).tolist())) == 16
+
+
+def test_resident_loader_gives_the_loaders_batches():
+    images, labels, _ = load_dataset("shapes", "unused", 8, shapes_count=40)
+    a = Loader(images, labels, 8, seed=3, device="cpu", with_labels=True)
+    b = ResidentLoader(images, labels, 8, seed=3, device="cpu", with_labels=True)
+    for _ in range(7):  # across an epoch boundary
+        (xa, ya), (xb, yb) = a.next(), b.next()
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)

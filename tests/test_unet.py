@@ -111,3 +111,14 @@ def test_norm_groups_never_hide_the_conditioning():
     base = model(x, torch.tensor([10, 10]), torch.tensor([0, 0]))
     for t, y in (([60, 60], [0, 0]), ([10, 10], [1, 1])):  # the time, and the class, each move the output
         assert (model(x, torch.tensor(t), torch.tensor(y)) - base).abs().max() > 1e-3 * base.abs().max()
+
+
+@pytest.mark.parametrize("kw", [dict(num_classes=4), dict(patch_size=2, pos_emb=True, attn_resolutions=(4,))])
+def test_no_graph_breaks_for_torch_compile(kw):
+    """One graph for the whole network: torch.compile can fuse across every layer (GroupNorm + SiLU...)."""
+    import torch._dynamo
+
+    model = UNet(tiny_model(**kw)).to(memory_format=torch.channels_last)
+    y = torch.tensor([0, 3]) if kw.get("num_classes") else None
+    explained = torch._dynamo.explain(model)(torch.randn(2, 3, 16, 16), torch.tensor([1, 50]), y)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
