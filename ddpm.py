@@ -1113,6 +1113,9 @@ def train(mc, tc, preset="custom"):
     precision = resolve_precision(tc.precision, device)
     if lead and precision == "bf16" and device.type == "cpu" and not cpu_has_bf16():
         print("warning: this CPU has no AVX512-BF16/AMX; bf16 will run far slower than --precision=fp32")
+    if lead and tc.compile and device.type == "cpu":
+        print("note: torch.compile takes minutes on a CPU and measured no faster than eager there (BENCHMARKS.md); "
+              "--compile=false skips it")
     set_matmul_precision(precision)
     out_dir = tc.out_dir or os.path.join("runs", f"{preset}-{time.strftime('%Y%m%d-%H%M%S')}")
     ckpt_path = os.path.join(out_dir, "ckpt.pt")

@@ -1,0 +1,367 @@
+"""Training-step FLOP/s on the CPU, side by side: this repo against denoising-diffusion-pytorch (lucidrains).
+
+    pip install --no-deps denoising-diffusion-pytorch einops ema-pytorch accelerate pytorch-fid safetensors pyyaml
+    .venv/bin/python scripts/cpu_vs_ddpm_pytorch.py --json cpu_vs_ddpm_pytorch.json      # ~13 min on 2 cores
+    .venv/bin/python scripts/cpu_vs_ddpm_pytorch.py --ours eager:16,cl:16 --no_bf16      # a quicker subset (~8 min)
+
+(~13 min with inductor's cache warm; the first torch.compile of the UNet adds about 5 min on 2 cores, and
+contention from other processes lengthens it by up to --budget_s.)
+
+(--no-deps each time, so the installed torch is never replaced.) Without denoising_diffusion_pytorch the
+script prints one line and exits 0.
+
+Configurations, all at 32x32 (CIFAR-10), in one process, with torch.set_num_threads(--threads):
+  theirs fp32       Unet(dim=64, dim_mults=(1, 2, 4, 8), flash_attn=True) and GaussianDiffusion(image_size=32,
+                    timesteps=1000) as in the package README (its defaults: pred_v, sigmoid schedule), trained as
+                    its Trainer's defaults do: batch 16, amp=False, Adam(lr 1e-4, betas (0.9, 0.99)), loss.item()
+                    every step, clip_grad_norm_ 1.0, opt.step, zero_grad, ema_pytorch.EMA(beta 0.995,
+                    update_every 10).update(). Not timed: its DataLoader (ours is not timed either).
+  theirs fp32+cl    the same with the model and input in channels_last.
+  theirs bf16+cl    the same under torch.autocast('cpu', bfloat16) (what Trainer(amp=True,
+                    mixed_precision_type='bf16') does on a CPU), with fewer timed steps: without AVX512-BF16/AMX
+                    it is emulated and slow.
+  ours MODE:BATCH   ddpm.train_step + ddpm.ema_update on UNet(ModelConfig()) (Ho et al., 35.7M), fp32, SDPA,
+                    fused AdamW as ddpm.make_optimizer builds it. MODE is eager, cl (channels_last), compile
+                    (torch.compile(model)) or compile+cl.
+
+FLOPs are counted by torch.utils.flop_counter on a real forward + backward of each package's training loss on the
+CPU at batch 2 (per image = total / 2), with math attention in both, because the counter does not see the CPU
+flash-SDPA kernel (the counted model is otherwise identical to the timed one). FLOP/s = counted FLOPs per step /
+median step time; "of peak" is against the best square fp32 (or bf16) matmul rate (ddpm.measure_matmul_flops),
+measured before and after the timed steps, the better of the two. Without bf16 hardware, oneDNN's bf16
+convolutions (~7 GFLOP/s here) outrun its emulated bf16 matmul (~1.3 GFLOP/s), so the bf16 row's fraction of
+the bf16 peak can pass 100%; its fraction of the fp32 peak is printed beside it.
+
+Measured (2026-12-02, 2 cores AMD EPYC AVX2, torch 2.14.1, denoising-diffusion-pytorch 2.3.4; two runs): both
+models 35.7M parameters; theirs 10.9, ours 37.3 counted GFLOP per training image. Theirs fp32 52-54 GFLOP/s
+(channels_last the same), theirs bf16+cl 5.6; ours 73-80 GFLOP/s (channels_last b16 best; torch.compile and
+batch 32/64 no faster): 1.4-1.5x theirs fp32, 14x theirs bf16+cl. The fp32 matmul peak measured 108-140.
+
+Timing: --warmup untimed steps per configuration (compilation included; its time is printed), then --timed
+rounds that interleave the configurations (ABCABC...), so slow drift and load from other processes fall on all of
+them alike. Each step records how many cores other processes kept busy meanwhile (/proc/stat minus this process's
+CPU time). On 2 cores one busy neighbour makes the 2-thread step several times slower (each parallel region waits
+for a descheduled thread), so a step with others > --contended counts as contended: after --timed rounds, the
+configurations short of --timed uncontended steps run again (within --budget_s), and the median is taken over
+the uncontended steps where there are two or more, else over all of them (flagged in the table).
+"""
+import argparse
+import copy
+import datetime
+import importlib
+import importlib.metadata
+import json
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+CPU = torch.device("cpu")
+IMAGE_SIZE = 32
+
+
+def version(pkg):
+    try:
+        return importlib.metadata.version(pkg)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+class LoadMeter:
+    """Cores kept busy by other processes between start() and stop(): all busy jiffies minus our own CPU time."""
+
+    HZ = os.sysconf("SC_CLK_TCK")
+
+    @staticmethod
+    def _busy():
+        try:
+            with open("/proc/stat") as f:
+                v = [int(x) for x in f.readline().split()[1:]]
+            return (sum(v[:8]) - v[3] - v[4]) / LoadMeter.HZ  # all minus idle and iowait, seconds
+        except OSError:
+            return float("nan")
+
+    def start(self):
+        t = os.times()
+        self.t0, self.cpu0, self.busy0 = time.perf_counter(), t.user + t.system, self._busy()
+
+    def stop(self):
+        """-> (wall seconds, our cores used, other processes' cores used)."""
+        wall = time.perf_counter() - self.t0
+        t = os.times()
+        own = t.user + t.system - self.cpu0
+        return wall, own / wall, max(0.0, (self._busy() - self.busy0 - own) / wall)
+
+
+def git_state():
+    """HEAD and whether tracked files differ from it (read-only git calls): what 'ours' was measured at."""
+    import subprocess
+
+    try:
+        run = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()  # noqa: E731
+        return {"head": run("rev-parse", "HEAD") or None, "dirty": bool(run("status", "--porcelain", "--untracked-files=no"))}
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+# ----------------------------------------------------------------------------- theirs
+
+
+def build_theirs(batch, channels_last, bf16, flash=True):
+    from denoising_diffusion_pytorch import GaussianDiffusion, Unet
+    from ema_pytorch import EMA
+
+    torch.manual_seed(0)
+    unet = Unet(dim=64, dim_mults=(1, 2, 4, 8), flash_attn=flash)  # the README's model
+    diffusion = GaussianDiffusion(unet, image_size=IMAGE_SIZE, timesteps=1000)  # README; defaults pred_v, sigmoid
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    diffusion = diffusion.to(memory_format=fmt)
+    opt = torch.optim.Adam(diffusion.parameters(), lr=1e-4, betas=(0.9, 0.99))  # Trainer defaults
+    ema = EMA(diffusion, beta=0.995, update_every=10)  # Trainer defaults
+    data = torch.rand(batch, 3, IMAGE_SIZE, IMAGE_SIZE).contiguous(memory_format=fmt)  # Trainer feeds [0, 1]
+
+    def step():  # Trainer.train's body with gradient_accumulate_every = 1 on one process
+        diffusion.train()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = diffusion(data)
+            loss.item()  # Trainer: total_loss += loss.item()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(diffusion.parameters(), 1.0)  # accelerator.clip_grad_norm_ on one CPU process
+        opt.step()
+        opt.zero_grad()
+        ema.update()
+
+    n_params = sum(p.numel() for p in unet.parameters())
+    return step, n_params
+
+
+def count_theirs():
+    """Counted training FLOPs per image (forward + backward of GaussianDiffusion's loss), math attention."""
+    from denoising_diffusion_pytorch import GaussianDiffusion, Unet
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(0)
+    diffusion = GaussianDiffusion(Unet(dim=64, dim_mults=(1, 2, 4, 8), flash_attn=False), image_size=IMAGE_SIZE,
+                                  timesteps=1000)
+    x = torch.rand(2, 3, IMAGE_SIZE, IMAGE_SIZE)
+    with FlopCounterMode(display=False) as c:
+        diffusion(x).backward()
+    return c.get_total_flops() / 2
+
+
+# ----------------------------------------------------------------------------- ours
+
+
+def build_ours(batch, channels_last, compile_model, attention="sdpa"):
+    import ddpm
+    from unet import UNet
+
+    torch.manual_seed(0)
+    mc, tc = ddpm.ModelConfig(), ddpm.TrainerConfig(batch_size=batch)  # preset 'ho'
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    model = UNet(mc, attention=attention).to(memory_format=fmt)
+    ema = copy.deepcopy(model).requires_grad_(False).eval()
+    diffusion = ddpm.Diffusion(mc)
+    opt = ddpm.make_optimizer(model, tc, CPU)
+    forward = torch.compile(model) if compile_model else model
+    x0 = (torch.rand(batch, mc.channels, mc.image_size, mc.image_size) * 2 - 1).contiguous(memory_format=fmt)
+
+    def step():  # ddpm.train's step 3 and 4
+        ddpm.train_step(forward, diffusion, opt, x0, None, "fp32", tc.grad_clip)
+        ddpm.ema_update(ema, model, tc.ema_decay)
+
+    return step, sum(p.numel() for p in model.parameters())
+
+
+def count_ours():
+    """Counted training FLOPs per image of Diffusion.loss forward + backward on the CPU, math attention;
+    and ddpm.train_flops_per_image (the meta-device count ddpm.py reports) beside it."""
+    import ddpm
+    from unet import UNet
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(0)
+    mc = ddpm.ModelConfig()
+    model, diffusion = UNet(mc, attention="math"), ddpm.Diffusion(mc)
+    x = torch.rand(2, mc.channels, mc.image_size, mc.image_size) * 2 - 1
+    with FlopCounterMode(display=False) as c:
+        diffusion.loss(model, x).backward()
+    return c.get_total_flops() / 2, ddpm.train_flops_per_image(mc, "sdpa")
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def parse_ours(spec):
+    out = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        mode, _, batch = item.partition(":")
+        if mode not in ("eager", "cl", "compile", "compile+cl") or not batch.isdigit():
+            raise SystemExit(f"error: --ours item '{item}': expected MODE:BATCH, MODE one of eager, cl, compile, compile+cl")
+        out.append((mode, int(batch)))
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ours", default="eager:16,cl:16,cl:32,compile+cl:16",
+                   help="our configurations, MODE:BATCH, comma-separated; MODE: eager, cl, compile, compile+cl")
+    p.add_argument("--theirs_batch", type=int, default=16, help="their batch (Trainer default 16)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per configuration (compilation included)")
+    p.add_argument("--timed", type=int, default=5, help="timed, interleaved rounds")
+    p.add_argument("--bf16_timed", type=int, default=2, help="timed rounds of 'theirs bf16+cl' (0 = leave it out)")
+    p.add_argument("--no_bf16", action="store_true", help="leave 'theirs bf16+cl' out")
+    p.add_argument("--contended", type=float, default=0.25,
+                   help="a timed step during which other processes kept more than this many cores busy is contended")
+    p.add_argument("--budget_s", type=float, default=300,
+                   help="seconds the timed phase may run on past --timed rounds, re-running configurations that have "
+                        "fewer than --timed uncontended steps")
+    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    p.add_argument("--json", help="write every measurement to this file")
+    args = p.parse_args(argv)
+
+    try:
+        importlib.import_module("denoising_diffusion_pytorch")
+    except ImportError as e:
+        print(f"skipped: denoising_diffusion_pytorch is not importable ({e}); "
+              "pip install --no-deps denoising-diffusion-pytorch einops ema-pytorch accelerate pytorch-fid safetensors pyyaml")
+        return None
+
+    import ddpm
+
+    torch.set_num_threads(args.threads)
+    t_start = time.time()
+    env = {"date": str(datetime.date.today()), "git": git_state(), "cpu": ddpm.cpu_name(), "cores": os.cpu_count(), "threads": args.threads,
+           "cpu_bf16_hardware": ddpm.cpu_has_bf16(), "torch": torch.__version__,
+           **{k: version(k) for k in ("denoising-diffusion-pytorch", "einops", "ema-pytorch", "accelerate")}}
+    print(f"# {env['date']} · {env['cpu']}, {env['cores']} cores, {args.threads} threads · torch {env['torch']} · "
+          f"denoising-diffusion-pytorch {env['denoising-diffusion-pytorch']} (einops {env['einops']}, "
+          f"ema-pytorch {env['ema-pytorch']}, accelerate {env['accelerate']}) · git {env['git']}", flush=True)
+
+    peak32 = ddpm.measure_matmul_flops(CPU, torch.float32)
+    peak16 = ddpm.measure_matmul_flops(CPU, torch.bfloat16)
+    theirs_flops = count_theirs()
+    ours_flops, ours_meta_flops = count_ours()
+    print(f"fp32 matmul peak (measured): {peak32 / 1e9:.1f} GFLOP/s; bf16: {peak16 / 1e9:.2f} GFLOP/s "
+          f"(bf16 hardware: {env['cpu_bf16_hardware']})")
+    print(f"counted training GFLOP/image: theirs {theirs_flops / 1e9:.2f}, ours {ours_flops / 1e9:.2f} "
+          f"(ddpm.train_flops_per_image: {ours_meta_flops / 1e9:.2f})", flush=True)
+
+    # (name, family, builder, batch, precision, timed rounds)
+    tb = args.theirs_batch
+    configs = [("theirs fp32", "theirs", lambda: build_theirs(tb, False, False), tb, "fp32", args.timed),
+               ("theirs fp32+cl", "theirs", lambda: build_theirs(tb, True, False), tb, "fp32", args.timed)]
+    if not args.no_bf16 and args.bf16_timed > 0:
+        configs.append(("theirs bf16+cl", "theirs", lambda: build_theirs(tb, True, True), tb, "bf16", args.bf16_timed))
+    for mode, batch in parse_ours(args.ours):
+        cl, comp = "cl" in mode, "compile" in mode
+        configs.append((f"ours {mode} b{batch}", "ours", (lambda b=batch, cl=cl, comp=comp: build_ours(b, cl, comp)),
+                        batch, "fp32", args.timed))
+
+    rows = []
+    for name, family, builder, batch, precision, timed in configs:
+        step, n_params = builder()
+        warm = []
+        for _ in range(args.warmup if precision == "fp32" else min(args.warmup, 1)):
+            m = LoadMeter()
+            m.start()
+            step()
+            warm.append(m.stop()[0])
+        print(f"warm-up {name}: " + ", ".join(f"{w:.1f}" for w in warm) + " s", flush=True)
+        rows.append({"config": name, "family": family, "batch": batch, "precision": precision, "params": n_params,
+                     "flops_per_image": theirs_flops if family == "theirs" else ours_flops,
+                     "warmup_s": warm, "steps_s": [], "own_cores": [], "other_cores": [], "_step": step})
+
+    # timed rounds, interleaved; past --timed rounds, only configurations short of --timed uncontended steps run
+    # again, while the --budget_s of the timed phase lasts
+    t_timed, r = time.time(), 0
+    while True:
+        ran = False
+        for row, cfg in zip(rows, configs):
+            clean = sum(o <= args.contended for o in row["other_cores"])
+            if r >= cfg[5] and (clean >= cfg[5] or time.time() - t_timed > args.budget_s):
+                continue
+            m = LoadMeter()
+            m.start()
+            row["_step"]()
+            wall, own, other = m.stop()
+            row["steps_s"].append(wall)
+            row["own_cores"].append(own)
+            row["other_cores"].append(other)
+            ran = True
+            print(f"round {r}: {row['config']}: {wall:.2f} s (cores: ours {own:.2f}, others {other:.2f})", flush=True)
+        if not ran:
+            break
+        r += 1
+
+    # the matmul peak again after the timed phase (a neighbour may have slowed the first measurement): keep the best
+    peaks32, peaks16 = [peak32, ddpm._time_matmuls(CPU, torch.float32)], [peak16, ddpm._time_matmuls(CPU, torch.bfloat16)]
+    peak32, peak16 = max(peaks32), max(peaks16)
+    for row in rows:
+        del row["_step"]
+        clean = [w for w, o in zip(row["steps_s"], row["other_cores"]) if o <= args.contended]
+        used = clean if len(clean) >= 2 else row["steps_s"]  # uncontended steps where there are two or more
+        row["steps_used"] = "uncontended" if used is clean else "all"
+        row["n_clean"], row["n_steps"] = len(clean), len(row["steps_s"])
+        ms = statistics.median(used) * 1e3
+        row["step_ms_all_steps"] = statistics.median(row["steps_s"]) * 1e3
+        peak = peak16 if row["precision"] == "bf16" else peak32
+        row.update(step_ms=ms, step_ms_min=min(used) * 1e3, img_per_s=row["batch"] / ms * 1e3,
+                   gflops=row["flops_per_image"] * row["batch"] / ms / 1e6, peak_gflops=peak / 1e9,
+                   other_cores_median=statistics.median(row["other_cores"]))
+        row["frac_of_peak"] = row["gflops"] * 1e9 / peak
+        row["frac_of_fp32_peak"] = row["gflops"] * 1e9 / peak32
+
+    print(f"\nmeasured matmul peak (best of start and end): fp32 {peak32 / 1e9:.1f} GFLOP/s "
+          f"({', '.join(f'{v / 1e9:.1f}' for v in peaks32)}), bf16 {peak16 / 1e9:.2f} GFLOP/s; median of the uncontended "
+          f"timed steps (others <= {args.contended} cores); 'others' = cores other processes kept busy, median over all "
+          f"timed steps; total wall {time.time() - t_start:.0f} s\n")
+    print("| config | params | GFLOP/img (counted) | batch | median ms/step (min) | steps used | img/s | GFLOP/s | "
+          "of matmul peak | FLOP/s vs theirs fp32 | others |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    ref32 = next((row for row in rows if row["config"] == "theirs fp32"), None)
+    for row in rows:
+        frac = f"{100 * row['frac_of_peak']:.0f}% ({row['precision']})"
+        if row["precision"] == "bf16":
+            frac += f", {100 * row['frac_of_fp32_peak']:.0f}% of fp32"
+        used = (f"{row['n_clean']} clean of {row['n_steps']}" if row["steps_used"] == "uncontended"
+                else f"all {row['n_steps']} (contended)")
+        print(f"| {row['config']} | {row['params'] / 1e6:.2f}M | {row['flops_per_image'] / 1e9:.2f} | {row['batch']} | "
+              f"{row['step_ms']:.0f} ({row['step_ms_min']:.0f}) | {used} | {row['img_per_s']:.2f} | {row['gflops']:.1f} | "
+              f"{frac} | {row['gflops'] / ref32['gflops'] if ref32 else float('nan'):.2f}x | {row['other_cores_median']:.2f} |")
+
+    by = {row["config"]: row for row in rows}
+    ours_rows = [row for row in rows if row["family"] == "ours"]
+    ratios = {}
+    if ours_rows:
+        best = max(ours_rows, key=lambda row: row["gflops"])
+        print(f"\nbest of ours: {best['config']}, {best['gflops']:.1f} GFLOP/s")
+        for ref, goal in (("theirs fp32", 2.5), ("theirs fp32+cl", None), ("theirs bf16+cl", 1.2)):
+            if ref in by:
+                fl, im = best["gflops"] / by[ref]["gflops"], best["img_per_s"] / by[ref]["img_per_s"]
+                noisy = "all" in (best["steps_used"], by[ref]["steps_used"])
+                ratios[ref] = {"flops_ratio": fl, "img_per_s_ratio": im, "goal": goal, "noisy": noisy}
+                verdict = f" (goal >= {goal}x: {'met' if fl >= goal else 'NOT met'})" if goal else ""
+                print(f"  vs {ref}: {fl:.2f}x FLOP/s{verdict}, {im:.2f}x img/s" + (" [NOISY: contended steps]" if noisy else ""))
+    noisy = [row["config"] for row in rows if row["steps_used"] == "all"]
+    if noisy:
+        print(f"\nnote: fewer than 2 uncontended steps (others <= {args.contended} cores), median over all steps, for: "
+              f"{', '.join(noisy)}: treat those as noisy")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"environment": env, "peak_fp32_flops": peak32, "peak_bf16_flops": peak16,
+                       "peak_fp32_flops_start_end": peaks32, "peak_bf16_flops_start_end": peaks16,
+                       "theirs_flops_per_image": theirs_flops, "ours_flops_per_image": ours_flops,
+                       "ours_train_flops_per_image_meta": ours_meta_flops, "warmup": args.warmup, "timed": args.timed,
+                       "contended_threshold_cores": args.contended, "argv": sys.argv,
+                       "rows": rows, "ratios_best_ours": ratios, "wall_s": time.time() - t_start}, f, indent=2)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
