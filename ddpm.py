@@ -10,8 +10,8 @@ Read top to bottom: the two configs and their presets, the diffusion maths (Diff
 FLOP counting and MFU, the train step shared with benchmark.py, the training loop, the CLI.
 The network itself is in unet.py and knows nothing of the noise schedule; data is in data.py.
 
-Measured (2026-12-02, torch 2.14.1): `make demo` learns recognisable 16x16 shapes in 4 min 20 s on
-2 CPU cores (fp32, 134 img/s, 44% of the measured fp32 matmul rate). GPU figures: BENCHMARKS.md.
+Measured (2026-12-02, torch 2.14.1): `make demo` learns recognisable 16x16 shapes in 4 min 35 s on
+2 CPU cores (fp32, 127 img/s, 42% of the measured fp32 matmul rate). GPU figures: BENCHMARKS.md.
 """
 import contextlib
 import copy
