@@ -43,7 +43,8 @@ def free_port():
 def test_two_gloo_processes_equal_one_with_the_same_global_batch(tmp_path):
     loader = "ffcv" if data.ffcv_available() else "torch"  # FFCV in its distributed mode where it is installed
     common = ["--num_classes=4", "--batch_size=16", "--max_steps=6", "--log_every_steps=3", f"--loader={loader}",
-              f"--beton_dir={tmp_path / 'betons'}"]
+              f"--beton_dir={tmp_path / 'betons'}", "--sample_every_steps=3",  # grids and bits/dim, split across ranks
+              "--eval_every_steps=3", "--eval_fid_samples=0", "--eval_bpd_images=12", "--eval_bpd_strata=2"]
     one = cli(*common, f"--out_dir={tmp_path / 'one'}")
     assert one.returncode == 0, one.stderr
     two = cli(*common, f"--out_dir={tmp_path / 'two'}", launcher=(
@@ -61,13 +62,39 @@ def test_two_gloo_processes_equal_one_with_the_same_global_batch(tmp_path):
     for part in ("model", "ema"):
         wa, wb = (torch.cat([w[part][k].flatten() for k in w[part]]) for w in (a, b))
         assert (wa - wb).norm() < 0.01 * (wa - init).norm(), part
-    rows_a = [json.loads(x) for x in open(tmp_path / "one" / "metrics.jsonl")]
-    rows_b = [json.loads(x) for x in open(tmp_path / "two" / "metrics.jsonl")]
+    rows_a = [json.loads(x) for x in open(tmp_path / "one" / "metrics.jsonl") if '"loss"' in x]
+    rows_b = [json.loads(x) for x in open(tmp_path / "two" / "metrics.jsonl") if '"loss"' in x]
     assert [r["step"] for r in rows_b] == [3, 6]  # one writer
+    evals = [json.loads(x) for x in open(tmp_path / "two" / "metrics.jsonl") if '"bpd"' in x]
+    assert [(r["step"], r["bpd_images"]) for r in evals] == [(3, 12), (6, 12)] and all(r["bpd"] > 0 for r in evals)
+    assert sorted(f for f in os.listdir(tmp_path / "two") if f.startswith("samples_")) == [
+        "samples_0000003.png", "samples_0000006.png"]
     for ra, rb in zip(rows_a, rows_b):  # the logged loss is the global batch's, all-reduced
         assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-5)
         assert rb["grad_norm"] == pytest.approx(ra["grad_norm"], rel=1e-4)
     assert json.load(open(tmp_path / "two" / "config.json"))["resolved"]["world_size"] == 2
+
+
+def test_sigterm_to_one_rank_stops_both_after_the_same_step(tmp_path):
+    """Preemption reaches one worker: the ranks agree (gloo all-reduce), both stop, rank 0 saves, torchrun exits 0."""
+    run = tmp_path / "run"
+    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
+                          "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", "ddpm.py", *TINY,
+                          "--batch_size=8", "--loader=torch", "--log_every_steps=1", "--max_steps=100000",
+                          f"--out_dir={run}"], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = run / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 2):
+        time.sleep(0.2)
+    workers = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
+    assert len(workers) == 2
+    os.kill(int(workers[-1]), signal.SIGTERM)  # one of them only
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err[-3000:]
+    assert "stopped by" in out and "Traceback" not in err
+    ckpt = weights(run)
+    assert ckpt["world_size"] == 2 and ckpt["step"] >= 2
+    assert json.loads(metrics.read_text().splitlines()[-1])["step"] <= ckpt["step"]
 
 
 def test_batch_size_must_divide_by_the_world_size(tmp_path):
