@@ -143,3 +143,22 @@ def test_training_eval_fails_before_training_when_offline(tmp_path, monkeypatch)
     with pytest.raises(ConfigError, match="Inception"):
         train(tiny_model(), tiny_trainer(tmp_path / "run", eval_every_steps=2), preset="test")
     assert not os.path.exists(tmp_path / "run" / "ckpt.pt")
+
+
+def test_the_real_inception_network_runs_offline_with_local_weights(tmp_path, monkeypatch):
+    """torch-fidelity's InceptionV3 through sample.inception, from a weights file placed where the offline
+    message says (random weights here: no download), on CIFAR-sized uint8 images."""
+    fe = pytest.importorskip("torch_fidelity.feature_extractor_inceptionv3")
+    with monkeypatch.context() as m:  # build the network once without weights, to write a file of the right shape
+        m.setattr(fe, "load_state_dict_from_url", lambda *a, **k: {})
+        m.setattr(torch.nn.Module, "load_state_dict", lambda self, *a, **k: None)
+        net = fe.FeatureExtractorInceptionV3("inception-v3-compat", ["2048"])
+    path = tmp_path / "checkpoints" / os.path.basename(fe.URL_INCEPTION_V3)
+    path.parent.mkdir()
+    torch.save(net.state_dict(), path)
+    monkeypatch.setattr(torch.hub, "get_dir", lambda: str(tmp_path))
+    extractor = sample.inception("cpu")
+    assert extractor.name == "inception-v3-compat"
+    images = torch.randint(0, 256, (3, 3, 32, 32), dtype=torch.uint8)
+    feats, logits = sample.features(extractor, [images[:2], images[2:]], "cpu")
+    assert feats.shape == (3, 2048) and logits.shape == (3, 1008) and torch.isfinite(feats).all()
