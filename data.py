@@ -315,10 +315,11 @@ class Loader:
         return to_device(self.images[idx], self.device), to_device(self.labels[idx], self.device)
 
     def _finish(self, x, y, flips):
-        """uint8 -> [-1, 1] and the flips, on the device, as contiguous NCHW whatever layout arrived
-        (FFCV's is channels_last), so both loaders hand training identical tensors. x₀ stays float32
-        even under bf16 autocast: q_sample's √ᾱ coefficients need it, and autocast casts at the first conv."""
-        x = x.to(torch.float32, memory_format=torch.contiguous_format).div_(127.5).sub_(1.0)
+        """uint8 -> [-1, 1] and the flips, on the device, in the layout that arrived (FFCV's is
+        channels_last): train_step puts it in the model's layout, a copy only where they differ. Both
+        loaders hand training the same values. x₀ stays float32 even under bf16 autocast: q_sample's
+        √ᾱ coefficients need it, and autocast casts at the first conv."""
+        x = x.to(torch.float32).div_(127.5).sub_(1.0)
         if self.hflip:
             flips = to_device(flips, self.device)
             x = torch.where(flips[:, None, None, None], x.flip(3), x)

@@ -814,8 +814,7 @@ def train_step(model, diffusion, opt, x0, y, precision, grad_clip, shard=(0, 1),
     device tensors. A non-finite loss or gradient (on any rank) skips the update: `ok` is then 0, and
     the fused AdamW kernel leaves weights, moments and its step count untouched (its found_inf input)."""
     torch.compiler.cudagraph_mark_step_begin()  # a new iteration for CUDA graphs (compile_mode reduce-overhead)
-    if channels_last:
-        x0 = x0.contiguous(memory_format=torch.channels_last)
+    x0 = x0.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)  # no-op if so
     with autocast(x0.device, precision):
         loss = diffusion.loss(model, x0, y, shard)
     loss.backward()
@@ -1048,14 +1047,6 @@ def previous_path(path):
     return path.replace(".pt", ".prev.pt")
 
 
-def save_checkpoint_files(state, export, out_dir):
-    """ckpt.pt (kept: the one before it, as ckpt.prev.pt) and the ema.pt export, each written atomically.
-    A failed write (a full disk) removes its temporary file and leaves the previous checkpoints as they were."""
-    ckpt_path = os.path.join(out_dir, "ckpt.pt")
-    atomic_save(state, ckpt_path, keep_previous=True)
-    atomic_save(export, os.path.join(out_dir, "ema.pt"))
-
-
 def load_resume_checkpoint(out_dir, device):
     """The newest readable of ckpt.pt and ckpt.prev.pt; a corrupt or missing newest one is said in one line."""
     path = os.path.join(out_dir, "ckpt.pt")
@@ -1213,8 +1204,9 @@ def train(mc, tc, preset="custom"):
                  "loader": loader.state_dict(), "world_size": world, "step": step, "rng": rng,
                  "nonfinite_skipped": skipped_total + int(skipped[0].item()),
                  "model_config": asdict(mc), "trainer_config": asdict(tc)}
-        export = {"ema": ema.state_dict(), "model_config": asdict(mc), "trainer_config": asdict(tc), "step": step}
-        save_checkpoint_files(state, export, out_dir)
+        atomic_save(state, ckpt_path, keep_previous=True)  # the one before survives as ckpt.prev.pt
+        atomic_save({"ema": ema.state_dict(), "model_config": asdict(mc), "trainer_config": asdict(tc), "step": step},
+                    os.path.join(out_dir, "ema.pt"))
 
     def log(row):
         if lead:

@@ -188,6 +188,25 @@ def fid_metrics(gen_feats, gen_logits, ref, prc=True):
     return out
 
 
+def held_out_bits(diffusion, model, images, labels, num_classes, device, batch, strata=0, threshold="static",
+                  generator=None, progress=False):
+    """Bits/dim of uint8 images, batch by batch, in fp32/fp64: the exact bound (strata = 0) or its
+    stratified estimate. -> (bits per image (N,) on the CPU, the estimator's summed variance)."""
+    bits, est_var = [], 0.0
+    for start in range(0, len(images), batch):
+        x0 = images[start : start + batch].to(device).double() / 127.5 - 1
+        y = labels[start : start + batch].to(device) if num_classes > 0 else None
+        if strata:
+            b, se = diffusion.bpd_estimate(model, x0, y, strata=strata, threshold=threshold, generator=generator)
+            est_var += (se**2).sum().item()
+        else:
+            b = diffusion.bpd(model, x0, y, threshold=threshold, generator=generator)
+        bits.append(b.cpu())
+        if progress:
+            print(f"{start + len(x0)}/{len(images)} images", flush=True)
+    return torch.cat(bits) if bits else torch.zeros(0, dtype=torch.float64), est_var
+
+
 def to_uint8(x):
     return ((x + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).cpu()
 
@@ -243,19 +262,13 @@ class TrainingEval:
             batches = generate(self.diffusion, net, len(mine), mc, batch=self.batch, generator=g, labels=labels,
                                sampler="dpm++", steps=tc.eval_sample_steps, guidance=tc.guidance)
             feats, _ = features(self.extractor, batches, self.device)
-            mu, sigma = mean_cov(feats)
-            out["fid"] = frechet_distance(mu, sigma, self.ref["mu"], self.ref["sigma"])
+            out["fid"] = fid_metrics(feats, None, self.ref, prc=False)["fid"]
             out["fid_samples"] = tc.eval_fid_samples
         if self.held_out is not None:
-            images, labels = self.held_out
             g = torch.Generator().manual_seed(tc.seed + 1 + self.rank)
-            total = torch.zeros(2, dtype=torch.float64)
-            for i in range(0, len(images), self.batch):
-                x0 = images[i : i + self.batch].to(self.device).double() / 127.5 - 1
-                y = labels[i : i + self.batch].to(self.device) if mc.num_classes > 0 else None
-                bits, _ = self.diffusion.bpd_estimate(ema, x0, y, strata=tc.eval_bpd_strata, generator=g)
-                total += torch.tensor([bits.sum().item(), len(bits)], dtype=torch.float64)
-            (total,) = all_reduce_sum(total)
+            bits, _ = held_out_bits(self.diffusion, ema, *self.held_out, mc.num_classes, self.device, self.batch,
+                                    tc.eval_bpd_strata, generator=g)
+            (total,) = all_reduce_sum(torch.tensor([bits.sum().item(), len(bits)], dtype=torch.float64))
             out["bpd"], out["bpd_images"] = (total[0] / total[1]).item(), int(total[1])
         out["eval_s"] = time.time() - t0
         return out
@@ -383,18 +396,8 @@ def evaluate_bpd(args, model, mc, run, diffusion, device):
         sys.exit(2)
     n = min(args.n, len(images))
     g = torch.Generator().manual_seed(args.seed)
-    bits, est_var = [], 0.0
-    for start in range(0, n, args.batch):
-        x0 = images[start : start + args.batch].to(device).double() / 127.5 - 1
-        y = labels[start : start + args.batch].to(device) if mc.num_classes > 0 else None
-        if args.strata:
-            b, se = diffusion.bpd_estimate(model, x0, y, strata=args.strata, threshold=args.threshold, generator=g)
-            est_var += (se**2).sum().item()
-        else:
-            b = diffusion.bpd(model, x0, y, threshold=args.threshold, generator=g)
-        bits.append(b.cpu())
-        print(f"{start + len(x0)}/{n} images", flush=True)
-    bits = torch.cat(bits)
+    bits, est_var = held_out_bits(diffusion, model, images[:n], labels[:n], mc.num_classes, device, args.batch,
+                                  args.strata, args.threshold, g, progress=True)
     result = {"bpd": bits.mean().item(), "sem": (bits.std() / n**0.5).item() if n > 1 else None, "n": n,
               "dataset": dataset, "split": "test", "strata": args.strata or None,
               "estimator_se": est_var**0.5 / n if args.strata else None, "reverse_variance": mc.reverse_variance}

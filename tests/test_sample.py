@@ -64,8 +64,8 @@ def test_split_experts_warm_start_and_sample_together(tmp_path):
 
 def test_eval_bpd_on_held_out_images(run_dir, tmp_path):
     out = tmp_path / "bpd.png"
-    exact = sample.main(["--ckpt", str(run_dir / "ckpt.pt"), "--eval", "bpd", "--n", "4", "--out", str(out)])
-    est = sample.main(["--ckpt", str(run_dir / "ema.pt"), "--eval", "bpd", "--n", "4", "--strata", "10", "--out", str(out)])
-    assert 0 < exact["bpd"] < 50 and exact["n"] == 4 and exact["dataset"] == "shapes"
+    exact = sample.main(["--ckpt", str(run_dir / "ckpt.pt"), "--eval", "bpd", "--n", "64", "--batch", "32", "--out", str(out)])
+    est = sample.main(["--ckpt", str(run_dir / "ema.pt"), "--eval", "bpd", "--n", "64", "--batch", "32", "--strata", "10", "--out", str(out)])
+    assert 0 < exact["bpd"] < 50 and exact["n"] == 64 and exact["dataset"] == "shapes"
     assert est["estimator_se"] > 0 and abs(est["bpd"] - exact["bpd"]) < 5 * est["estimator_se"] + 0.05
     assert json.load(open(tmp_path / "bpd.json"))["strata"] == 10
