@@ -96,7 +96,7 @@ class TrainerConfig:  # the run
     precision: Literal["auto", "bf16", "tf32", "fp32"] = "auto"  # bf16 autocast / fp32 with TF32 / true fp32; auto = bf16 where the hardware has it
     compile: bool = True                                # torch.compile the network
     compile_mode: Literal["default", "max-autotune", "reduce-overhead"] = "default"  # torch.compile mode; reduce-overhead = CUDA graphs
-    channels_last: bool = True                          # NHWC activations and weights (faster convolutions on tensor cores and CPUs)
+    channels_last: Literal["auto", "true", "false"] = "auto"  # NHWC activations and weights; auto = true, except bf16 on a CPU (NCHW is faster there)
     cpu_threads: int = 0                                # CPU: intra-op threads for the step; 0 = torch's default (one per core)
     attention: Literal["sdpa", "math"] = "sdpa"         # attention kernel: F.scaled_dot_product_attention, or explicit softmax
     out_dir: str = ""                                   # run folder; '' = runs/<preset>-<date>-<time>
@@ -167,15 +167,19 @@ def field_comments(cls):
 
 def parse_value(name, text, typ):
     """Convert one CLI string to a field's type, or raise ConfigError naming the field."""
+    truthy, falsy = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
     try:
         if typing.get_origin(typ) is Literal:
-            if text not in typing.get_args(typ):
-                raise ValueError(f"choose one of {', '.join(typing.get_args(typ))}")
+            choices = typing.get_args(typ)
+            if "true" in choices and text.lower() in truthy + falsy:  # e.g. channels_last: auto, true or false
+                text = "true" if text.lower() in truthy else "false"
+            if text not in choices:
+                raise ValueError(f"choose one of {', '.join(choices)}")
             return text
         if typ is bool:
-            if text.lower() not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+            if text.lower() not in truthy + falsy:
                 raise ValueError("expected true or false")
-            return text.lower() in ("1", "true", "yes", "on")
+            return text.lower() in truthy
         if typing.get_origin(typ) is tuple:
             item = typing.get_args(typ)[0]  # tuple[int, ...] or tuple[float, ...]
             return tuple(item(v) for v in text.split(",") if v.strip())
@@ -249,14 +253,15 @@ def parse_args(argv):
         if not a.startswith("--"):
             raise ConfigError(f"unexpected argument '{a}'; fields are given as --name=value")
         name, eq, text = a[2:].partition("=")
-        if not eq and hints.get(name) is not bool:  # '--name value'; a bare '--flag' means true
+        flag = hints.get(name) is bool or "true" in typing.get_args(hints.get(name))  # takes a bare --name
+        if not eq and not flag:  # '--name value'; a bare '--flag' means true
             text = next(it, None)
             if text is None:
                 raise ConfigError(f"--{name} needs a value")
         if name == "preset":
             preset = text
         else:
-            args.append((name, text if eq or hints.get(name) is not bool else "true"))
+            args.append((name, text if eq or not flag else "true"))
     if preset not in PRESETS:
         raise ConfigError(f"unknown preset '{preset}'; choose one of {', '.join(PRESETS)}")
     overrides = dict(PRESETS[preset])
@@ -790,8 +795,17 @@ def set_matmul_precision(precision):
     torch.backends.cudnn.allow_tf32 = tf32
 
 
-def memory_format(tc):
-    return torch.channels_last if tc.channels_last else torch.contiguous_format
+def resolve_channels_last(channels_last, device, precision):
+    """'auto' -> NHWC, the layout tensor-core and oneDNN fp32 convolutions want, except for bf16 on a CPU:
+    there the convolutions run as fast in NCHW, and ATen's NHWC GroupNorm is ~6x slower than its NCHW one
+    (measured on an AVX512-BF16 CPU: the 'ho' step 6-10% faster in NCHW; BENCHMARKS.md)."""
+    if channels_last != "auto":
+        return channels_last == "true"
+    return not (device.type == "cpu" and precision == "bf16")
+
+
+def memory_format(channels_last):
+    return torch.channels_last if channels_last else torch.contiguous_format
 
 
 def compiled(model, tc):
@@ -814,7 +828,7 @@ def train_step(model, diffusion, opt, x0, y, precision, grad_clip, shard=(0, 1),
     device tensors. A non-finite loss or gradient (on any rank) skips the update: `ok` is then 0, and
     the fused AdamW kernel leaves weights, moments and its step count untouched (its found_inf input)."""
     torch.compiler.cudagraph_mark_step_begin()  # a new iteration for CUDA graphs (compile_mode reduce-overhead)
-    x0 = x0.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)  # no-op if so
+    x0 = x0.contiguous(memory_format=memory_format(channels_last))  # a no-op where the loader's layout is the model's
     with autocast(x0.device, precision):
         loss = diffusion.loss(model, x0, y, shard)
     loss.backward()
@@ -1128,7 +1142,8 @@ def train(mc, tc, preset="custom"):
     torch.manual_seed(tc.seed)  # after the data set-up, whose libraries may draw from the global RNG; same on every rank
     if device.type == "cpu" and tc.cpu_threads:
         torch.set_num_threads(tc.cpu_threads)
-    model = UNet(mc, attention=tc.attention).to(device, memory_format=memory_format(tc))
+    channels_last = resolve_channels_last(tc.channels_last, device, precision)
+    model = UNet(mc, attention=tc.attention).to(device, memory_format=memory_format(channels_last))
     ema = copy.deepcopy(model).requires_grad_(False).eval()
     diffusion = Diffusion(mc).to(device)
     opt = make_optimizer(model, tc, device)
@@ -1167,6 +1182,7 @@ def train(mc, tc, preset="custom"):
         info = {
             "preset": preset, "model": asdict(mc), "trainer": asdict(tc),
             "resolved": {"out_dir": out_dir, "device": str(device), "world_size": world, "precision": precision,
+                         "channels_last": channels_last,
                          "parameters": n_params, "train_flops_per_image": flops_per_step // tc.batch_size,
                          "torchinfo_flops_per_image_x3": torchinfo_flops_per_image(mc),
                          "peak_flops_per_device": peak, "peak_source": peak_source, "dataset_images": loader.n,
@@ -1176,7 +1192,7 @@ def train(mc, tc, preset="custom"):
         with open(os.path.join(out_dir, "config.json" if not tc.resume else f"config-resume-{step}.json"), "w") as f:
             json.dump(info, f, indent=2)
         print(f"{out_dir}: {n_params / 1e6:.2f}M parameters, {loader.n} images ({type(loader).__name__}), "
-              f"{world} x {device} {precision}, {flops_per_step / tc.batch_size / 1e9:.3g} GFLOP/image fwd+bwd counted "
+              f"{world} x {device} {precision} {'NHWC' if channels_last else 'NCHW'}, {flops_per_step / tc.batch_size / 1e9:.3g} GFLOP/image fwd+bwd counted "
               f"(torchinfo x3 estimate: {(info['resolved']['torchinfo_flops_per_image_x3'] or float('nan')) / 1e9:.3g}), "
               f"MFU against {peak / 1e12:.3g} TFLOP/s per device ({peak_source})")
 
@@ -1280,7 +1296,7 @@ def train(mc, tc, preset="custom"):
                 timer.start()
             x0, y = loader.next()
             loss, grad_norm, ok = train_step(forward, diffusion, opt, x0, y, precision, tc.grad_clip, (rank, world),
-                                             tc.channels_last)
+                                             channels_last)
 
             # 4. EMA
             ema_update(ema, model, ema_decay_at(step, tc) if tc.ema_decay > 0 else 0.0, ok)

@@ -157,7 +157,7 @@ def count_theirs():
 # ----------------------------------------------------------------------------- ours
 
 
-def build_ours(batch, channels_last, compile_model, attention="sdpa"):
+def build_ours(batch, channels_last, compile_model, precision, attention="sdpa"):
     import ddpm
     from unet import UNet
 
@@ -172,7 +172,7 @@ def build_ours(batch, channels_last, compile_model, attention="sdpa"):
     x0 = (torch.rand(batch, mc.channels, mc.image_size, mc.image_size) * 2 - 1).contiguous(memory_format=fmt)
 
     def step():  # ddpm.train's step 3 and 4
-        ddpm.train_step(forward, diffusion, opt, x0, None, "fp32", tc.grad_clip)
+        ddpm.train_step(forward, diffusion, opt, x0, None, precision, tc.grad_clip, channels_last=channels_last)
         ddpm.ema_update(ema, model, tc.ema_decay)
 
     return step, sum(p.numel() for p in model.parameters())
@@ -197,24 +197,30 @@ def count_ours():
 # ----------------------------------------------------------------------------- main
 
 
+OUR_MODES = ("eager", "cl", "compile", "bf16")  # MODE is one of these or several joined by '+', e.g. bf16+cl
+
+
 def parse_ours(spec):
     out = []
     for item in filter(None, (s.strip() for s in spec.split(","))):
         mode, _, batch = item.partition(":")
-        if mode not in ("eager", "cl", "compile", "compile+cl") or not batch.isdigit():
-            raise SystemExit(f"error: --ours item '{item}': expected MODE:BATCH, MODE one of eager, cl, compile, compile+cl")
+        if not set(mode.split("+")) <= set(OUR_MODES) or not batch.isdigit():
+            raise SystemExit(f"error: --ours item '{item}': expected MODE:BATCH, MODE one or more of "
+                             f"{', '.join(OUR_MODES)} joined by '+'")
         out.append((mode, int(batch)))
     return out
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ours", default="eager:16,cl:16,cl:32,compile+cl:16",
-                   help="our configurations, MODE:BATCH, comma-separated; MODE: eager, cl, compile, compile+cl")
+    p.add_argument("--ours", default="eager:16,cl:16,bf16:16,bf16+cl:16",
+                   help="our configurations, MODE:BATCH, comma-separated; MODE: one or more of eager, cl "
+                        "(channels_last), compile, bf16 (autocast) joined by '+'")
     p.add_argument("--theirs_batch", type=int, default=16, help="their batch (Trainer default 16)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per configuration (compilation included)")
     p.add_argument("--timed", type=int, default=5, help="timed, interleaved rounds")
-    p.add_argument("--bf16_timed", type=int, default=2, help="timed rounds of 'theirs bf16+cl' (0 = leave it out)")
+    p.add_argument("--bf16_timed", type=int, default=0,
+                   help="timed rounds of 'theirs bf16+cl'; 0 = --timed on a CPU with bf16 hardware, else 2 (emulated bf16 is slow)")
     p.add_argument("--no_bf16", action="store_true", help="leave 'theirs bf16+cl' out")
     p.add_argument("--contended", type=float, default=0.25,
                    help="a timed step during which other processes kept more than this many cores busy is contended")
@@ -256,18 +262,23 @@ def main(argv=None):
     tb = args.theirs_batch
     configs = [("theirs fp32", "theirs", lambda: build_theirs(tb, False, False), tb, "fp32", args.timed),
                ("theirs fp32+cl", "theirs", lambda: build_theirs(tb, True, False), tb, "fp32", args.timed)]
-    if not args.no_bf16 and args.bf16_timed > 0:
-        configs.append(("theirs bf16+cl", "theirs", lambda: build_theirs(tb, True, True), tb, "bf16", args.bf16_timed))
+    bf16_timed = args.bf16_timed or (args.timed if env["cpu_bf16_hardware"] else 2)
+    if not args.no_bf16:
+        configs.append(("theirs bf16+cl", "theirs", lambda: build_theirs(tb, True, True), tb, "bf16", bf16_timed))
     for mode, batch in parse_ours(args.ours):
-        cl, comp = "cl" in mode, "compile" in mode
-        configs.append((f"ours {mode} b{batch}", "ours", (lambda b=batch, cl=cl, comp=comp: build_ours(b, cl, comp)),
-                        batch, "fp32", args.timed))
+        parts = mode.split("+")
+        cl, comp, prec = "cl" in parts, "compile" in parts, "bf16" if "bf16" in parts else "fp32"
+        if prec == "bf16" and args.no_bf16:
+            continue
+        configs.append((f"ours {mode} b{batch}", "ours",
+                        (lambda b=batch, cl=cl, comp=comp, prec=prec: build_ours(b, cl, comp, prec)),
+                        batch, prec, args.timed if prec == "fp32" else bf16_timed))
 
     rows = []
     for name, family, builder, batch, precision, timed in configs:
         step, n_params = builder()
         warm = []
-        for _ in range(args.warmup if precision == "fp32" else min(args.warmup, 1)):
+        for _ in range(args.warmup if precision == "fp32" or env["cpu_bf16_hardware"] else min(args.warmup, 1)):
             m = LoadMeter()
             m.start()
             step()

@@ -61,3 +61,15 @@ def test_help_lists_every_field_with_default_and_comment():
     assert "--base_channels=128" in r.stdout and "width of the first UNet level" in r.stdout
     assert "--batch_size=128" in r.stdout and "global batch size" in r.stdout
     assert "demo" in r.stdout
+
+
+@pytest.mark.parametrize("args,value", [([], "auto"), (["--channels_last"], "true"), (["--channels_last=false"], "false"),
+                                        (["--channels_last=off"], "false"), (["--channels_last=yes"], "true"),
+                                        (["--channels_last=auto"], "auto")])
+def test_channels_last_takes_auto_or_a_boolean(args, value):
+    assert parse_args(args)[1].channels_last == value
+
+
+def test_channels_last_rejects_other_words():
+    with pytest.raises(ConfigError, match="--channels_last=maybe: choose one of auto, true, false"):
+        parse_args(["--channels_last=maybe"])

@@ -59,3 +59,25 @@ def test_never_overwrites_a_checkpoint_and_checks_resume_config(tmp_path):
     (out / "ckpt.pt").write_bytes(before[: len(before) // 2])  # truncated: one clear error, not a traceback
     with pytest.raises(ConfigError, match="cannot read checkpoint"):
         train(tiny_model(), tiny_trainer(out, max_steps=4, resume=True), preset="test")
+
+
+def test_channels_last_auto_is_nhwc_except_for_bf16_on_a_cpu():
+    from ddpm import resolve_channels_last
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_channels_last("auto", cpu, "fp32") and resolve_channels_last("auto", cuda, "bf16")
+    assert not resolve_channels_last("auto", cpu, "bf16")  # ATen's NHWC GroupNorm is slow there (BENCHMARKS.md)
+    assert resolve_channels_last("true", cpu, "bf16") and not resolve_channels_last("false", cuda, "fp32")
+
+
+def test_bf16_training_on_the_cpu_learns(tmp_path):
+    """bf16 autocast on the CPU (what --precision=auto picks on AVX512-BF16/AMX CPUs; emulated, slower, elsewhere)."""
+    out = tmp_path / "run"
+    train(tiny_model(), tiny_trainer(out, max_steps=30, precision="bf16"), preset="test")
+    rows = read_metrics(out)
+    assert all(r["nonfinite_skipped"] == 0 for r in rows)
+    assert rows[-1]["loss"] < 0.5 * rows[0]["loss"]
+    resolved = json.load(open(out / "config.json"))["resolved"]
+    assert resolved["precision"] == "bf16" and resolved["channels_last"] is False  # auto: NCHW for bf16 on a CPU
+    model = torch.load(out / "ckpt.pt", weights_only=True)["model"]
+    assert all(v.dtype == torch.float32 for v in model.values())  # autocast computes in bf16, the weights stay fp32
