@@ -10,8 +10,9 @@ Read top to bottom: the two configs and their presets, the diffusion maths (Diff
 FLOP counting and MFU, the train step shared with benchmark.py, the training loop, the CLI.
 The network itself is in unet.py and knows nothing of the noise schedule; data is in data.py.
 
-Measured (2026-12-02, torch 2.14.1): `make demo` learns recognisable 16x16 shapes in 4 min 35 s on
-2 CPU cores (fp32, 127 img/s, 42% of the measured fp32 matmul rate). GPU figures: BENCHMARKS.md.
+Measured (2026-12-02, torch 2.14.1): `make demo` learns recognisable 16x16 shapes in 1 min 31 s on
+2 AVX512-BF16 CPU cores (bf16, 425 img/s, 38% of the measured bf16 matmul rate); 4 min 35 s in fp32 on 2
+AVX2 cores. No GPU figures yet: BENCHMARKS.md.
 """
 import contextlib
 import copy
@@ -145,7 +146,7 @@ PRESETS = {
     "ffhq-p4": dict(dataset="folder", image_size=1024, patch_size=4, base_channels=128, channel_mult=(1, 2, 2, 4, 4, 4),
                     num_res_blocks=2, attn_resolutions=(16, 8), attn_heads=0, attn_head_dim=64, dropout=0.0,
                     prediction="x", loss_weighting="sqrt_snr", lr=1e-4, batch_size=32),
-    # small enough to learn the built-in shapes at 16x16 on 2 CPU cores in about 4 minutes: 2x2 patches,
+    # small enough to learn the built-in shapes at 16x16 on 2 CPU cores in 1.5 (bf16) to 5 (fp32) minutes: 2x2 patches,
     # v-prediction on the cosine schedule, class labels with guidance, a high LR and small batches
     "demo": dict(dataset="shapes", image_size=16, patch_size=2, base_channels=64, channel_mult=(1, 2), num_res_blocks=1,
                  attn_resolutions=(4,), dropout=0.0, num_classes=4, prediction="v", schedule="cosine",

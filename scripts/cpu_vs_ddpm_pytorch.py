@@ -1,11 +1,11 @@
 """Training-step FLOP/s on the CPU, side by side: this repo against denoising-diffusion-pytorch (lucidrains).
 
     pip install --no-deps denoising-diffusion-pytorch einops ema-pytorch accelerate pytorch-fid safetensors pyyaml
-    .venv/bin/python scripts/cpu_vs_ddpm_pytorch.py --json cpu_vs_ddpm_pytorch.json      # ~13 min on 2 cores
-    .venv/bin/python scripts/cpu_vs_ddpm_pytorch.py --ours eager:16,cl:16 --no_bf16      # a quicker subset (~8 min)
+    .venv/bin/python scripts/cpu_vs_ddpm_pytorch.py --json cpu_vs_ddpm_pytorch.json      # ~3 min on 2 AVX512-BF16 cores
+    .venv/bin/python scripts/cpu_vs_ddpm_pytorch.py --ours eager:16,cl:16 --no_bf16      # fp32 only (on CPUs without bf16)
 
-(~13 min with inductor's cache warm; the first torch.compile of the UNet adds about 5 min on 2 cores, and
-contention from other processes lengthens it by up to --budget_s.)
+(Minutes more with a 'compile' configuration: the first torch.compile of the UNet takes 3-5 min on 2 cores; and
+contention from other processes lengthens a run by up to --budget_s.)
 
 (--no-deps each time, so the installed torch is never replaced.) Without denoising_diffusion_pytorch the
 script prints one line and exits 0.
@@ -18,11 +18,12 @@ Configurations, all at 32x32 (CIFAR-10), in one process, with torch.set_num_thre
                     update_every 10).update(). Not timed: its DataLoader (ours is not timed either).
   theirs fp32+cl    the same with the model and input in channels_last.
   theirs bf16+cl    the same under torch.autocast('cpu', bfloat16) (what Trainer(amp=True,
-                    mixed_precision_type='bf16') does on a CPU), with fewer timed steps: without AVX512-BF16/AMX
-                    it is emulated and slow.
-  ours MODE:BATCH   ddpm.train_step + ddpm.ema_update on UNet(ModelConfig()) (Ho et al., 35.7M), fp32, SDPA,
-                    fused AdamW as ddpm.make_optimizer builds it. MODE is eager, cl (channels_last), compile
-                    (torch.compile(model)) or compile+cl.
+                    mixed_precision_type='bf16') does on a CPU); without AVX512-BF16/AMX, where bf16 is emulated
+                    and slow, with fewer timed steps (--bf16_timed).
+  ours MODE:BATCH   ddpm.train_step + ddpm.ema_update on UNet(ModelConfig()) (Ho et al., 35.7M, dropout 0.1), SDPA,
+                    fused AdamW as ddpm.make_optimizer builds it. MODE is eager (fp32, NCHW) or any of cl
+                    (channels_last), bf16 (autocast, as --precision=bf16) and compile (torch.compile(model))
+                    joined by '+', e.g. bf16+cl.
 
 FLOPs are counted by torch.utils.flop_counter on a real forward + backward of each package's training loss on the
 CPU at batch 2 (per image = total / 2), with math attention in both, because the counter does not see the CPU
@@ -32,10 +33,12 @@ measured before and after the timed steps, the better of the two. Without bf16 h
 convolutions (~7 GFLOP/s here) outrun its emulated bf16 matmul (~1.3 GFLOP/s), so the bf16 row's fraction of
 the bf16 peak can pass 100%; its fraction of the fp32 peak is printed beside it.
 
-Measured (2026-12-02, 2 cores AMD EPYC AVX2, torch 2.14.1, denoising-diffusion-pytorch 2.3.4; two runs): both
-models 35.7M parameters; theirs 10.9, ours 37.3 counted GFLOP per training image. Theirs fp32 52-54 GFLOP/s
-(channels_last the same), theirs bf16+cl 5.6; ours 73-80 GFLOP/s (channels_last b16 best; torch.compile and
-batch 32/64 no faster): 1.4-1.5x theirs fp32, 14x theirs bf16+cl. The fp32 matmul peak measured 108-140.
+Measured (2026-12-02, torch 2.14.1, denoising-diffusion-pytorch 2.3.4; both models 35.7M parameters; theirs 10.9,
+ours 37.3 counted GFLOP per training image; every run in BENCHMARKS.md):
+  2 cores AMD EPYC with AVX512-BF16, three runs: theirs fp32 RUN_THEIRS32 GFLOP/s, theirs bf16+cl RUN_THEIRS16; ours bf16
+  (NCHW) RUN_OURS16, ours fp32 (channels_last) RUN_OURS32: ours bf16 RUN_RATIO32 theirs fp32 (goal 2.5x), RUN_RATIO16 theirs bf16+cl (goal 1.2x).
+  2 cores AMD EPYC AVX2 only, two runs: theirs fp32 52-54, theirs bf16+cl 5.6 (emulated); ours fp32 73-80:
+  1.4-1.5x theirs fp32.
 
 Timing: --warmup untimed steps per configuration (compilation included; its time is printed), then --timed
 rounds that interleave the configurations (ABCABC...), so slow drift and load from other processes fall on all of
