@@ -17,8 +17,9 @@ attention matmuls. MFU = counted FLOP/s / peak: the datasheet peak for the row's
 (A100/H100/H200; fp32 rows use the non-tensor-core fp32 peak) and the matmul rate measured on the
 device in the row's dtype.
 
-Measured (2026-12-02, 2 CPU cores, seed, reduced ladder): SDPA 2.24x and SDPA + channels_last 2.45x the baseline's
-TFLOP/s, median of 3 runs; every result with its machine and date is in BENCHMARKS.md.
+Measured (2026-12-02, seed, reduced ladder, medians of 3 runs): on 2 AVX512-BF16 CPU cores SDPA 2.51x and SDPA + bf16
+3.05x the baseline's TFLOP/s; on 2 AVX2 cores SDPA 2.24x and SDPA + channels_last 2.45x. Every result with its
+machine and date is in BENCHMARKS.md.
 """
 import argparse
 import dataclasses

@@ -30,13 +30,14 @@ CPU at batch 2 (per image = total / 2), with math attention in both, because the
 flash-SDPA kernel (the counted model is otherwise identical to the timed one). FLOP/s = counted FLOPs per step /
 median step time; "of peak" is against the best square fp32 (or bf16) matmul rate (ddpm.measure_matmul_flops),
 measured before and after the timed steps, the better of the two. Without bf16 hardware, oneDNN's bf16
-convolutions (~7 GFLOP/s here) outrun its emulated bf16 matmul (~1.3 GFLOP/s), so the bf16 row's fraction of
+convolutions (~7 GFLOP/s on an AVX2 CPU) outrun its emulated bf16 matmul (~1.3 GFLOP/s), so the bf16 row's fraction of
 the bf16 peak can pass 100%; its fraction of the fp32 peak is printed beside it.
 
 Measured (2026-12-02, torch 2.14.1, denoising-diffusion-pytorch 2.3.4; both models 35.7M parameters; theirs 10.9,
 ours 37.3 counted GFLOP per training image; every run in BENCHMARKS.md):
-  2 cores AMD EPYC with AVX512-BF16, three runs: theirs fp32 RUN_THEIRS32 GFLOP/s, theirs bf16+cl RUN_THEIRS16; ours bf16
-  (NCHW) RUN_OURS16, ours fp32 (channels_last) RUN_OURS32: ours bf16 RUN_RATIO32 theirs fp32 (goal 2.5x), RUN_RATIO16 theirs bf16+cl (goal 1.2x).
+  2 cores AMD EPYC with AVX512-BF16, four runs: theirs fp32 104-131 GFLOP/s, theirs bf16+cl 155-178; ours bf16
+  (NCHW) 265-300 at batch 16 and 277-308 at batch 32, ours fp32 (channels_last) 164-175: ours bf16 b32 2.52-2.95x
+  theirs fp32 (goal 2.5x; b16 2.29-2.57x), our best 1.69-1.84x theirs bf16+cl (goal 1.2x).
   2 cores AMD EPYC AVX2 only, two runs: theirs fp32 52-54, theirs bf16+cl 5.6 (emulated); ours fp32 73-80:
   1.4-1.5x theirs fp32.
 
