@@ -801,7 +801,7 @@ def set_matmul_precision(precision):
 def resolve_channels_last(channels_last, device, precision):
     """'auto' -> NHWC, the layout tensor-core and oneDNN fp32 convolutions want, except for bf16 on a CPU:
     there the convolutions run as fast in NCHW, and ATen's NHWC GroupNorm is ~6x slower than its NCHW one
-    (measured on an AVX512-BF16 CPU: the 'ho' step 6-10% faster in NCHW; BENCHMARKS.md)."""
+    (measured on an AVX512-BF16 CPU: the 'ho' step 5-10% faster in NCHW; BENCHMARKS.md)."""
     if channels_last != "auto":
         return channels_last == "true"
     return not (device.type == "cpu" and precision == "bf16")
