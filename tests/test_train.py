@@ -6,7 +6,9 @@ import pytest
 import torch
 from conftest import tiny_model, tiny_trainer
 
+import ddpm
 from ddpm import ConfigError, train
+from unet import UNet
 
 
 def read_metrics(out_dir):
@@ -81,3 +83,16 @@ def test_bf16_training_on_the_cpu_learns(tmp_path):
     assert resolved["precision"] == "bf16" and resolved["channels_last"] is False  # auto: NCHW for bf16 on a CPU
     model = torch.load(out / "ckpt.pt", weights_only=True)["model"]
     assert all(v.dtype == torch.float32 for v in model.values())  # autocast computes in bf16, the weights stay fp32
+
+
+@pytest.mark.parametrize("ok", [None, 1.0, 0.0])
+def test_ema_update_is_the_lerp_and_skips_where_ok_is_zero(ok):
+    """θ_ema <- decay θ_ema + (1 - decay) θ; with ok (a device tensor, never read on the host) 0, no change."""
+    mc = tiny_model()
+    model, ema = UNet(mc), UNet(mc).requires_grad_(False)
+    before = [p.clone() for p in ema.parameters()]
+    assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))  # two random inits
+    ddpm.ema_update(ema, model, 0.9, None if ok is None else torch.tensor(ok))
+    for e, b, p in zip(ema.parameters(), before, model.parameters()):
+        want = b if ok == 0.0 else 0.9 * b + 0.1 * p
+        torch.testing.assert_close(e, want)
