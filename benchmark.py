@@ -86,8 +86,9 @@ def time_steps(mc, row, batch, device, images, labels, beton, warmup, iters):
             if i >= warmup:
                 timer.start()
             x0, y = loader.next()
-            ddpm.train_step(forward, diffusion, opt, x0, y, row["precision"], 1.0, channels_last=row["channels_last"])
-            ddpm.ema_update(ema, model, 0.9999)
+            _, _, ok = ddpm.train_step(forward, diffusion, opt, x0, y, row["precision"], 1.0,
+                                       channels_last=row["channels_last"])
+            ddpm.ema_update(ema, model, 0.9999, ok)  # as train() calls it
             if i >= warmup:
                 timer.stop()
     ms = statistics.median(timer.read_ms())  # note: a sync point
@@ -96,6 +97,9 @@ def time_steps(mc, row, batch, device, images, labels, beton, warmup, iters):
 
 
 def free_memory(device):
+    # a fresh dynamo cache for every row: no recompile limit reached across rows, no batch size marked
+    # dynamic because an earlier row compiled another one, no CUDA-graph pools kept (compiled kernels stay cached)
+    torch._dynamo.reset()
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -113,6 +117,8 @@ def largest_batch(mc, row, device, images, labels, start, limit):
             break
         finally:
             free_memory(device)
+    if best is None:
+        raise RuntimeError(f"even batch {start} does not fit in memory")
     return best
 
 
@@ -148,92 +154,96 @@ def main(argv=None):
     print(f"# {args.preset} on {device_name}, torch {torch.__version__}, {datetime.date.today()}\n")
 
     def save(rows):
+        measured = [r for r in rows if "skipped" not in r]
+        for r in measured:
+            r["speedup"] = r["tflops"] / measured[0]["tflops"]
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"preset": args.preset, "device": device_name, "torch": torch.__version__,
                            "date": str(datetime.date.today()), "iters": iters, "warmup": warmup, "rows": rows}, f, indent=2)
 
-    rows, cfg, scaled_batch = [], {}, None
-    for name, change in LADDER:
-        trial = {**cfg, **change}
-        reason = None
-        if name in skip:
-            reason = "skipped by --skip"
-        elif trial["loader"] == "ffcv" and not data.ffcv_available():
-            reason = "ffcv is not installed"
-        elif trial["precision"] == "bf16" and not (gpu and torch.cuda.is_bf16_supported()) and not (
-                device.type == "cpu" and ddpm.cpu_has_bf16()):
-            reason = "no bf16 hardware on this device"
-        elif trial["compile"] and not gpu and not args.cpu_compile:
-            reason = "compiling takes minutes on the CPU; --cpu_compile includes it"
-        elif name == "compile max-autotune" and not args.autotune:
-            reason = "its kernel search takes many minutes; --autotune includes it"
-        elif trial["compile_mode"] == "reduce-overhead" and not gpu:
-            reason = "CUDA graphs need a GPU"
-        elif trial["compile_mode"] != "default" and not trial["compile"]:
-            reason = "needs the torch.compile row"
-        if reason:
-            print(f"{name}: {reason}")
-            rows.append({"version": name, "skipped": reason})
-            continue
-        prev, cfg = cfg, trial
-        if name == "patch_size P":
-            name = f"patch_size {args.patch_size}"
-        mc_row = dataclasses.replace(mc, patch_size=args.patch_size if "patch_size" in cfg else mc.patch_size)
-        if mc_row.patch_size != mc.patch_size:  # attention resolutions refer to the patched grid
-            mc_row = dataclasses.replace(mc_row, attn_resolutions=tuple(r // mc_row.patch_size for r in mc.attn_resolutions))
-            try:
-                ddpm.validate(mc_row, ddpm.TrainerConfig())
-            except ddpm.ConfigError as e:
-                print(f"{name}: {e}")
-                rows.append({"version": name, "skipped": str(e)})
+    rows, cfg, scaled_batch, interrupted, name = [], {}, None, False, None
+    try:  # a ladder cut short (Ctrl-C, or `timeout -s INT`) still prints the rows it measured
+        for name, change in LADDER:
+            trial = {**cfg, **change}
+            reason = None
+            if name in skip:
+                reason = "skipped by --skip"
+            elif trial["loader"] == "ffcv" and not data.ffcv_available():
+                reason = "ffcv is not installed"
+            elif trial["precision"] == "bf16" and not (gpu and torch.cuda.is_bf16_supported()) and not (
+                    device.type == "cpu" and ddpm.cpu_has_bf16()):
+                reason = "no bf16 hardware on this device"
+            elif trial["compile"] and not gpu and not args.cpu_compile:
+                reason = "compiling takes minutes on the CPU; --cpu_compile includes it"
+            elif name == "compile max-autotune" and not args.autotune:
+                reason = "its kernel search takes many minutes; --autotune includes it"
+            elif trial["compile_mode"] == "reduce-overhead" and not gpu:
+                reason = "CUDA graphs need a GPU"
+            elif trial["compile_mode"] != "default" and not trial["compile"]:
+                reason = "needs the torch.compile row"
+            if reason:
+                print(f"{name}: {reason}")
+                rows.append({"version": name, "skipped": reason})
                 continue
-        if cfg["batch"] == "base":
-            batch = base_batch
-        elif change.get("batch") == "max":
-            batch = args.batch or (largest_batch(mc_row, cfg, device, images, labels, base_batch, args.max_batch)
-                                   if gpu else 2 * base_batch)
-            scaled_batch = batch
-        else:
-            batch = scaled_batch or base_batch  # (the scaling row may have been skipped)
-        if len(images) < batch * (warmup + iters):
-            images, labels, _ = data.shapes(batch * (warmup + iters), mc.image_size)
-        beton = None
-        if cfg["loader"] == "ffcv":  # the same images as a beton, written once per size and reused
-            beton, _ = data.beton_for("shapes", "", mc.image_size, "data/betons", shapes_count=len(images))
-        try:
-            ms, mem = time_steps(mc_row, cfg, batch, device, images, labels, beton, warmup, iters)
-        except (RuntimeError, torch.cuda.OutOfMemoryError) as e:  # e.g. a compile mode this torch cannot do here
-            reason = f"failed: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
-            print(f"{name}: {reason}")
-            rows.append({"version": name, "skipped": reason})
-            cfg = prev  # a failed row adds nothing, as a skipped one
+            prev, cfg = cfg, trial
+            if name == "patch_size P":
+                name = f"patch_size {args.patch_size}"
+            mc_row = dataclasses.replace(mc, patch_size=args.patch_size if "patch_size" in cfg else mc.patch_size)
+            if mc_row.patch_size != mc.patch_size:  # attention resolutions refer to the patched grid
+                mc_row = dataclasses.replace(mc_row, attn_resolutions=tuple(r // mc_row.patch_size for r in mc.attn_resolutions))
+                try:
+                    ddpm.validate(mc_row, ddpm.TrainerConfig())
+                except ddpm.ConfigError as e:
+                    print(f"{name}: {e}")
+                    rows.append({"version": name, "skipped": str(e)})
+                    continue
+            try:
+                if cfg["batch"] == "base":
+                    batch = base_batch
+                elif change.get("batch") == "max":
+                    batch = args.batch or (largest_batch(mc_row, cfg, device, images, labels, base_batch, args.max_batch)
+                                           if gpu else 2 * base_batch)
+                    scaled_batch = batch
+                else:
+                    batch = scaled_batch or base_batch  # (the scaling row may have been skipped)
+                if len(images) < batch * (warmup + iters):
+                    images, labels, _ = data.shapes(batch * (warmup + iters), mc.image_size)
+                beton = None
+                if cfg["loader"] == "ffcv":  # the same images as a beton, written once per size and reused
+                    beton, _ = data.beton_for("shapes", "", mc.image_size, "data/betons", shapes_count=len(images))
+                ms, mem = time_steps(mc_row, cfg, batch, device, images, labels, beton, warmup, iters)
+            except (RuntimeError, torch.cuda.OutOfMemoryError) as e:  # e.g. a compile mode this torch cannot do here
+                reason = f"failed: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
+                print(f"{name}: {reason}")
+                rows.append({"version": name, "skipped": reason})
+                cfg = prev  # a failed row adds nothing, as a skipped one
+                free_memory(device)
+                continue
             free_memory(device)
-            continue
-        free_memory(device)
-        flops = ddpm.train_flops_per_image(mc_row) * batch
-        info = ddpm.torchinfo_flops_per_image(mc_row)
-        dtype = torch.bfloat16 if cfg["precision"] == "bf16" else torch.float32
-        sheet = ddpm.datasheet_peak(device, cfg["precision"])
-        measured = ddpm.measure_matmul_flops(device, dtype)
-        row = {"version": name, "batch": batch, "precision": cfg["precision"], "compile": cfg["compile"],
-               "compile_mode": cfg["compile_mode"], "attention": cfg["attention"], "channels_last": cfg["channels_last"],
-               "loader": cfg["loader"], "patch_size": mc_row.patch_size,
-               "step_ms": ms, "img_per_s": batch / ms * 1e3, "tflops": flops / ms / 1e9,
-               "tflops_torchinfo_x3": info * batch / ms / 1e9 if info else None,
-               "mfu_datasheet": ddpm.mfu(flops, ms / 1e3, sheet) if sheet else None,
-               "datasheet_peak_tflops": sheet / 1e12 if sheet else None,
-               "mfu_measured": ddpm.mfu(flops, ms / 1e3, measured), "measured_peak_tflops": measured / 1e12,
-               "peak_mem_gb": mem}
-        rows.append(row)
-        print(f"{name}: batch {batch}, {ms:.1f} ms/step, {row['img_per_s']:.1f} img/s, {row['tflops']:.3f} TFLOP/s",
-              flush=True)
-        save(rows)  # after every row, so a run cut short by a time limit keeps what it measured
+            flops = ddpm.train_flops_per_image(mc_row) * batch
+            info = ddpm.torchinfo_flops_per_image(mc_row)
+            dtype = torch.bfloat16 if cfg["precision"] == "bf16" else torch.float32
+            sheet = ddpm.datasheet_peak(device, cfg["precision"])
+            measured = ddpm.measure_matmul_flops(device, dtype)
+            row = {"version": name, "batch": batch, "precision": cfg["precision"], "compile": cfg["compile"],
+                   "compile_mode": cfg["compile_mode"], "attention": cfg["attention"], "channels_last": cfg["channels_last"],
+                   "loader": cfg["loader"], "patch_size": mc_row.patch_size,
+                   "step_ms": ms, "img_per_s": batch / ms * 1e3, "tflops": flops / ms / 1e9,
+                   "tflops_torchinfo_x3": info * batch / ms / 1e9 if info else None,
+                   "mfu_datasheet": ddpm.mfu(flops, ms / 1e3, sheet) if sheet else None,
+                   "datasheet_peak_tflops": sheet / 1e12 if sheet else None,
+                   "mfu_measured": ddpm.mfu(flops, ms / 1e3, measured), "measured_peak_tflops": measured / 1e12,
+                   "peak_mem_gb": mem}
+            rows.append(row)
+            print(f"{name}: batch {batch}, {ms:.1f} ms/step, {row['img_per_s']:.1f} img/s, {row['tflops']:.3f} TFLOP/s",
+                  flush=True)
+            save(rows)  # after every row, so a run cut short by a time limit keeps what it measured
+    except KeyboardInterrupt:
+        interrupted = True
+        print(f"\ninterrupted in the row {name!r}: the table has the rows before it")
 
-    base = next(r for r in rows if "skipped" not in r)
-    for r in rows:
-        if "skipped" not in r:
-            r["speedup"] = r["tflops"] / base["tflops"]
+    save(rows)
     print("\nMFU (datasheet): fp32 rows against the plain fp32 peak (TF32 off), bf16 rows against the dense bf16 peak; "
           "MFU (measured matmul): against the best square-matmul rate measured here in the row's dtype.")
     print("\n| version | batch | ms/step | img/s | TFLOP/s | TFLOP/s (torchinfo x3) | speedup | MFU (datasheet) | "
@@ -247,7 +257,8 @@ def main(argv=None):
         mem = f"{r['peak_mem_gb']:.1f} GB" if r["peak_mem_gb"] is not None else "n/a"
         print(f"| {r['version']} | {r['batch']} | {r['step_ms']:.1f} | {r['img_per_s']:.1f} | {r['tflops']:.3f} | {info} | "
               f"{r['speedup']:.2f}x | {pct(r['mfu_datasheet'])} | {pct(r['mfu_measured'])} | {mem} |")
-    save(rows)
+    if interrupted:
+        sys.exit(130)  # an incomplete ladder is not a success
     return rows
 
 

@@ -76,3 +76,35 @@ def test_batch_search_doubles_until_the_first_out_of_memory(monkeypatch):
     assert benchmark.largest_batch(None, row, torch.device("cpu"), None, None, 128, 16384) == 512
     assert [b for b, _, _ in tried] == [128, 256, 512, 1024]
     assert all(not compiled and loader == "dataloader" for _, compiled, loader in tried)  # eager, plain data
+
+
+def test_a_ladder_cut_short_keeps_and_prints_its_rows(tmp_path, monkeypatch, capsys):
+    """Ctrl-C (or gpu_bench.sh's `timeout -s INT`) in the third measured row: the first two are saved, with speedups,
+    and printed as the table; the exit status says the ladder is incomplete."""
+    calls = []
+
+    def fake_time_steps(mc, row, batch, *args, **kw):
+        calls.append(batch)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return 100.0 / len(calls), None
+
+    monkeypatch.setattr(benchmark, "time_steps", fake_time_steps)
+    out = tmp_path / "cut.json"
+    with pytest.raises(SystemExit) as e:
+        benchmark.main(["--preset", "demo", "--device", "cpu", "--json", str(out)])
+    assert e.value.code == 130
+    rows = [r for r in json.load(open(out))["rows"] if "skipped" not in r]
+    assert [r["version"] for r in rows] == ["baseline", "scale up batch"]
+    assert rows[0]["speedup"] == 1.0 and rows[1]["speedup"] == pytest.approx(2 * rows[1]["batch"] / rows[0]["batch"])
+    table = capsys.readouterr().out.split("interrupted in the row 'PyTorch SDPA'")[1]
+    assert "| baseline |" in table and "| scale up batch |" in table and "| PyTorch SDPA |" not in table
+
+
+def test_batch_search_says_when_not_even_the_first_batch_fits(monkeypatch):
+    def oom(*args, **kw):
+        raise torch.cuda.OutOfMemoryError("out of memory")
+
+    monkeypatch.setattr(benchmark, "time_steps", oom)
+    with pytest.raises(RuntimeError, match="even batch 128 does not fit"):  # the ladder's row records it as skipped
+        benchmark.largest_batch(None, {}, torch.device("cpu"), None, None, 128, 16384)
