@@ -853,9 +853,8 @@ def train_step(model, diffusion, opt, x0, y, precision, grad_clip, shard=(0, 1),
 def ema_update(ema, model, decay, ok=None):
     """θ_ema <- decay θ_ema + (1 - decay) θ, as one foreach lerp over all parameters; no change where ok = 0.
 
-    ok stays on the device: as one tensor weight, _foreach_lerp_ would read it with .item() (a host sync every
-    step), so it gets a list of 0-dim weights. On a CPU that is as fast as the scalar form (11 ms for the 35.7M
-    UNet here, against 75 ms for a sub/mul/add over all parameters); on a GPU it is one small kernel per tensor."""
+    ok stays on the device: _foreach_lerp_ would read a single tensor weight with .item() (a host sync every
+    step), so it gets a list of 0-dim weights, which on a CPU is as fast as the scalar form."""
     ema_params, params = list(ema.parameters()), list(model.parameters())
     weight = 1 - decay if ok is None else [(1 - decay) * ok] * len(params)
     torch._foreach_lerp_(ema_params, params, weight)

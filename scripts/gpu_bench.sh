@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On one GPU (H100/H200 class): the GPU-only tests, then the efficiency ladder for 'seed' and 'ho'.
-# Writes everything under OUT_DIR; capped at 8 minutes (the three timeouts below, 120 + 190 + 150 s; never yet
-# run on a GPU, so how far each ladder gets in its time is unmeasured). What it cannot have, it skips:
+# Writes everything under OUT_DIR in about 8 minutes at most (the timeouts below: 120 + 190 + 150 s, each ladder
+# then 20 s to print its table); never yet run on a GPU, so how far each ladder gets in its time is unmeasured. What it cannot have, it skips:
 # without ffcv the FFCV row is skipped, without torchinfo its column reads n/a.
 #   bash scripts/gpu_bench.sh OUT_DIR            # TESTS_S=, SEED_S=, HO_S= change the timeouts (seconds)
 set -uo pipefail
