@@ -36,6 +36,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+import diffusers_io
+import unet
 from data import DataError, make_loader
 from unet import UNet
 
@@ -922,6 +924,38 @@ def load_checkpoint(path, device):
         raise ConfigError(f"cannot read checkpoint {path} ({type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]})") from None
 
 
+def load_ema(path, device):
+    """-> (UNet with the EMA weights, ModelConfig, the run's TrainerConfig fields or {}), from a run's ckpt.pt or
+    ema.pt, or from a diffusers model or pipeline folder (diffusers_io). Raises ConfigError with one clear line."""
+    if diffusers_io.is_folder(path):
+        try:
+            fields, state, notes = diffusers_io.read(path)
+            mc = ModelConfig(**fields)
+            validate(mc, TrainerConfig())
+            model = UNet(mc)
+            diffusers_io.check(model, path)
+            unet.load_diffusers_state_dict(model, state)
+        except ValueError as e:
+            raise ConfigError(f"{path}: {e}") from None
+        for note in notes:
+            print(f"note: {note}")
+        return model.to(device).eval().requires_grad_(False), mc, {}
+    ckpt = load_checkpoint(path, device)
+    try:
+        fields = {k: tuple(v) if isinstance(v, list) else v for k, v in ckpt["model_config"].items()}
+        state = ckpt["ema"]
+    except (KeyError, TypeError, AttributeError) as e:  # a torch file, but not one of ours
+        raise ConfigError(f"{path} is not a ddpm checkpoint (no {e})") from None
+    try:
+        mc = ModelConfig(**fields)
+        model = UNet(mc).to(device)
+        model.load_state_dict(state)
+    except (TypeError, RuntimeError) as e:
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise ConfigError(f"{path}: its weights do not match its model config ({first})") from None
+    return model.eval().requires_grad_(False), mc, ckpt.get("trainer_config", {})
+
+
 def atomic_save(obj, path, keep_previous=False):
     """torch.save to a temporary file, fsync, rename: a crash mid-write never leaves a broken `path`.
     keep_previous: the file it replaces survives as *.prev.pt. A failed write (a full disk) removes the
@@ -1156,13 +1190,14 @@ def train(mc, tc, preset="custom"):
     opt = make_optimizer(model, tc, device)
     step = 0
     if tc.init_from and not tc.resume:  # warm start, e.g. one expert from the other's checkpoint
-        src = load_checkpoint(tc.init_from, device)
+        src, src_mc, _ = load_ema(tc.init_from, device)  # the averaged weights are the better starting point
         try:
-            model.load_state_dict(src["ema"])  # the averaged weights are the better starting point
-            ema.load_state_dict(src["ema"])
-        except (KeyError, RuntimeError) as e:
+            model.load_state_dict(src.state_dict())
+            ema.load_state_dict(src.state_dict())
+        except RuntimeError as e:
             raise ConfigError(f"--init_from {tc.init_from}: weights do not fit this model ({str(e).splitlines()[0]})") from None
-        say(f"initialised from {tc.init_from}")
+        differ = [f"{k}={v!r}" for k, v in asdict(src_mc).items() if getattr(mc, k) != v]
+        say(f"initialised from {tc.init_from}" + (f" (a model with {', '.join(differ)})" if differ else ""))
     if tc.resume:
         ckpt, path = load_resume_checkpoint(out_dir, device)
         step = restore(ckpt, path, mc, model, ema, opt, loader, world)

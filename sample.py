@@ -4,9 +4,13 @@
     python sample.py --ckpt runs/x/ckpt.pt --n 10000 --batch 500 --out samples.png   # writes samples.npz too
     python sample.py --ckpt runs/x/ema.pt --eval fid --n 50000 --out fid/samples.png  # + FID, IS, precision/recall
     python sample.py --ckpt runs/x/ema.pt --eval bpd --n 10000 --out bpd/test.png     # bits/dim of the test split
+    python sample.py --ckpt ddpm-cifar10-32 --eval fid --n 50000 --out fid/ho.png     # diffusers' copy of Ho's weights
+    python sample.py --ckpt runs/x/ema.pt --export_diffusers hub/x                     # a folder diffusers loads
 
 --ckpt takes either checkpoint a run writes (ckpt.pt, the resumable state, or ema.pt, the export);
-both hold the EMA weights and the model config, and load with weights_only=True. Class-conditional
+both hold the EMA weights and the model config, and load with weights_only=True. It also takes a
+diffusers model folder (config.json + safetensors or .bin, and scheduler_config.json for the schedule),
+or a pipeline folder holding them in unet/ and scheduler/ (diffusers_io.py). Class-conditional
 models cycle through the classes unless --label fixes one. The network runs under bf16 autocast
 where the hardware has it (GPUs, CPUs with AVX512-BF16/AMX), as --precision=auto does in training.
 
@@ -26,26 +30,7 @@ import numpy as np
 import torch
 
 import ddpm
-from unet import UNet
-
-
-def load_ema(path, device):
-    """-> (UNet with the EMA weights, ModelConfig, the run's TrainerConfig fields or {}).
-    Raises ddpm.ConfigError with one clear line."""
-    ckpt = ddpm.load_checkpoint(path, device)
-    try:
-        fields = {k: tuple(v) if isinstance(v, list) else v for k, v in ckpt["model_config"].items()}
-        state = ckpt["ema"]
-    except (KeyError, TypeError, AttributeError) as e:  # a torch file, but not one of ours
-        raise ddpm.ConfigError(f"{path} is not a ddpm checkpoint (no {e})") from None
-    try:
-        mc = ddpm.ModelConfig(**fields)
-        model = UNet(mc).to(device)
-        model.load_state_dict(state)
-    except (TypeError, RuntimeError) as e:
-        first = (str(e).strip().splitlines() or [""])[0]
-        raise ddpm.ConfigError(f"{path}: its weights do not match its model config ({first})") from None
-    return model.eval().requires_grad_(False), mc, ckpt.get("trainer_config", {})
+import diffusers_io
 
 
 # -----------------------------------------------------------------------------
@@ -276,7 +261,7 @@ class TrainingEval:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description="Sample images from a trained ddpm run.")
-    p.add_argument("--ckpt", required=True, help="a run's ckpt.pt or ema.pt")
+    p.add_argument("--ckpt", required=True, help="a run's ckpt.pt or ema.pt, or a diffusers model or pipeline folder")
     p.add_argument("--ckpt_high", default="", help="with model splitting: the t >= S expert (--ckpt is then the t < S one)")
     p.add_argument("--n", type=int, default=64, help="number of images")
     p.add_argument("--sampler", choices=["ddpm", "ddim", "dpm++"], default="dpm++")
@@ -298,12 +283,14 @@ def main(argv=None):
     p.add_argument("--dataset", help="fid: the reference (train split), bpd: held-out data (test split); default: the run's own dataset")
     p.add_argument("--data_dir", help="fid, bpd: default: the run's own data_dir")
     p.add_argument("--stats_dir", default=ddpm.TrainerConfig.fid_stats_dir, help="fid: where the reference statistics are cached")
+    p.add_argument("--export_diffusers", metavar="DIR", default="",
+                   help="write the EMA model as a diffusers folder (UNet2DModel + DDPMScheduler config) and exit")
     args = p.parse_args(argv)
     try:
         device = ddpm.resolve_device(args.device)
-        model, mc, run = load_ema(args.ckpt, device)
+        model, mc, run = ddpm.load_ema(args.ckpt, device)
         if args.ckpt_high:  # model splitting: two experts, each used for its own timesteps
-            high, mc_high, _ = load_ema(args.ckpt_high, device)
+            high, mc_high, _ = ddpm.load_ema(args.ckpt_high, device)
             same = {k: v for k, v in dataclasses.asdict(mc).items() if k != "split_part"}
             if same != {k: v for k, v in dataclasses.asdict(mc_high).items() if k != "split_part"}:
                 raise ddpm.ConfigError("--ckpt and --ckpt_high differ in more than split_part")
@@ -316,6 +303,15 @@ def main(argv=None):
             raise ddpm.ConfigError(f"need n >= 1, batch >= 1 and 0 <= steps <= {mc.timesteps}")
         if args.label >= mc.num_classes or (args.label >= 0 and mc.num_classes == 0):
             raise ddpm.ConfigError(f"--label {args.label}: the model has {mc.num_classes} classes")
+        if args.export_diffusers:
+            if args.ckpt_high:
+                raise ddpm.ConfigError("--export_diffusers: diffusers has no two-expert (split) model")
+            try:
+                diffusers_io.write(args.export_diffusers, model, mc)
+            except ValueError as e:
+                raise ddpm.ConfigError(f"--export_diffusers: {e}") from None
+            print(f"wrote {args.export_diffusers}: UNet2DModel.from_pretrained and DDPMScheduler.from_pretrained load it")
+            return args.export_diffusers
     except ddpm.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

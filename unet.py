@@ -13,31 +13,42 @@ unfolded by pixel_shuffle after the last, so every layer runs on a P× smaller g
 Attention resolutions refer to that patched grid.
 """
 import math
+import re
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 
+NORM_EPS = 1e-6  # GroupNorm's epsilon in Ho et al.'s code (TF's group_norm), not PyTorch's default 1e-5
+
+
 def group_norm(channels):
     # 32 groups as in the paper, but at least 2 channels per group: a group of one channel removes
     # any per-channel shift, and so the time and class embedding a ResBlock adds just before its
     # second norm (widths of 32 and below; the paper's are all >= 128, where this is 32 groups)
-    return nn.GroupNorm(max(g for g in range(1, 33) if channels % g == 0 and channels // g >= 2), channels)
+    groups = max(g for g in range(1, 33) if channels % g == 0 and channels // g >= 2)
+    return nn.GroupNorm(groups, channels, eps=NORM_EPS)
 
 
-def zero_init(module):
-    # Ho et al. initialise the last layer of each residual branch (and the output) to ~0,
-    # so every block starts as the identity
-    nn.init.zeros_(module.weight)
-    nn.init.zeros_(module.bias)
-    return module
+def ho_init(layer, scale=1.0, parts=1):
+    """Ho et al.'s initialisation of a conv or dense layer (diffusion_tf's default_init): TF's
+    variance_scaling(scale, 'fan_avg', 'uniform'), i.e. uniform on ±√(3·scale / fan_avg), which is
+    Glorot-uniform with gain √scale; bias 0. scale 0 means 1e-10, as there: the last layer of every
+    residual branch and the output start at ~0, so each block starts as the identity.
+    parts: the layer is that many equal layers stacked along its output (q, k and v in one matmul),
+    each initialised with its own fans."""
+    for w in layer.weight.chunk(parts):
+        nn.init.xavier_uniform_(w, gain=math.sqrt(scale or 1e-10))
+    nn.init.zeros_(layer.bias)
+    return layer
 
 
 def timestep_embedding(t, dim, max_period=10000.0):
-    """Transformer sinusoidal embedding (Vaswani et al. 2017, §3.5) of t: (B,) -> (B, dim)."""
+    """Sinusoidal embedding of t: (B,) -> (B, dim), float32 (Vaswani et al. 2017, §3.5), with Ho et al.'s
+    frequencies max_period^(-i / (dim/2 - 1)), i = 0..dim/2-1 (diffusion_tf's get_timestep_embedding)."""
     half = dim // 2
-    freqs = torch.exp(-math.log(max_period) * torch.arange(half, device=t.device, dtype=torch.float32) / half)
+    freqs = torch.exp(-math.log(max_period) * torch.arange(half, device=t.device, dtype=torch.float32) / max(half - 1, 1))
     args = t.float()[:, None] * freqs[None]  # (B, half)
     emb = torch.cat([torch.sin(args), torch.cos(args)], dim=1)
     if dim % 2:
@@ -61,12 +72,12 @@ class ResBlock(nn.Module):
     def __init__(self, in_ch, out_ch, temb_ch, dropout):
         super().__init__()
         self.norm1 = group_norm(in_ch)
-        self.conv1 = nn.Conv2d(in_ch, out_ch, 3, padding=1)
-        self.temb_proj = nn.Linear(temb_ch, out_ch)
+        self.conv1 = ho_init(nn.Conv2d(in_ch, out_ch, 3, padding=1))
+        self.temb_proj = ho_init(nn.Linear(temb_ch, out_ch))
         self.norm2 = group_norm(out_ch)
         self.dropout = nn.Dropout(dropout)
-        self.conv2 = zero_init(nn.Conv2d(out_ch, out_ch, 3, padding=1))
-        self.skip = nn.Conv2d(in_ch, out_ch, 1) if in_ch != out_ch else nn.Identity()
+        self.conv2 = ho_init(nn.Conv2d(out_ch, out_ch, 3, padding=1), scale=0)
+        self.skip = ho_init(nn.Conv2d(in_ch, out_ch, 1)) if in_ch != out_ch else nn.Identity()  # Ho's "nin"
 
     def forward(self, x, temb):
         h = self.conv1(F.silu(self.norm1(x)))
@@ -92,8 +103,8 @@ class Attention(nn.Module):
         inner = self.heads * self.head_dim
         self.backend = backend
         self.norm = group_norm(channels)
-        self.qkv = nn.Linear(channels, 3 * inner)
-        self.proj = zero_init(nn.Linear(inner, channels))
+        self.qkv = ho_init(nn.Linear(channels, 3 * inner), parts=3)  # Ho et al.'s q, k, v: three C x C layers
+        self.proj = ho_init(nn.Linear(inner, channels), scale=0)
 
     def forward(self, x):
         B, C, H, W = x.shape
@@ -110,18 +121,21 @@ class Attention(nn.Module):
 
 
 class Downsample(nn.Module):
+    """Stride-2 3x3 conv with TF's padding='SAME', as Ho et al. ran it: on an even size, 0 rows and columns
+    of zeros before and 1 after (a symmetric padding=1 would shift the sampling grid by one pixel)."""
+
     def __init__(self, channels):
         super().__init__()
-        self.conv = nn.Conv2d(channels, channels, 3, stride=2, padding=1)
+        self.conv = ho_init(nn.Conv2d(channels, channels, 3, stride=2))
 
     def forward(self, x):
-        return self.conv(x)
+        return self.conv(F.pad(x, (0, 1, 0, 1)))
 
 
 class Upsample(nn.Module):
     def __init__(self, channels):
         super().__init__()
-        self.conv = nn.Conv2d(channels, channels, 3, padding=1)
+        self.conv = ho_init(nn.Conv2d(channels, channels, 3, padding=1))
 
     def forward(self, x):
         return self.conv(F.interpolate(x, scale_factor=2.0, mode="nearest"))
@@ -144,10 +158,10 @@ class UNet(nn.Module):
         self.cfg = cfg
         P, ch = cfg.patch_size, cfg.base_channels
         temb_ch = 4 * ch
-        self.time_mlp = nn.Sequential(nn.Linear(ch, temb_ch), nn.SiLU(), nn.Linear(temb_ch, temb_ch))
+        self.time_mlp = nn.Sequential(ho_init(nn.Linear(ch, temb_ch)), nn.SiLU(), ho_init(nn.Linear(temb_ch, temb_ch)))
         # one extra class index, num_classes, is the "no label" class used by classifier-free guidance
         self.class_emb = nn.Embedding(cfg.num_classes + 1, temb_ch) if cfg.num_classes > 0 else None
-        self.conv_in = nn.Conv2d(cfg.channels * P * P, ch, 3, padding=1)
+        self.conv_in = ho_init(nn.Conv2d(cfg.channels * P * P, ch, 3, padding=1))
         if cfg.pos_emb:
             self.register_buffer("pos_emb", position_embedding_2d(ch, cfg.image_size // P), persistent=False)
 
@@ -183,12 +197,13 @@ class UNet(nn.Module):
                 res *= 2
 
         self.norm_out = group_norm(cur)
-        self.conv_out = zero_init(nn.Conv2d(cur, cfg.channels * P * P, 3, padding=1))
+        self.conv_out = ho_init(nn.Conv2d(cur, cfg.channels * P * P, 3, padding=1), scale=0)
 
     def forward(self, x, t, y=None):
         """x: (B, C, H, W); t: (B,) timesteps; y: (B,) labels in [0, num_classes], num_classes = no label."""
         P = self.cfg.patch_size
-        temb = self.time_mlp(timestep_embedding(t, self.cfg.base_channels))  # (B, 4ch)
+        emb = timestep_embedding(t, self.cfg.base_channels)  # float32, as in Ho et al. and diffusers
+        temb = self.time_mlp(emb.to(self.conv_in.weight.dtype))  # (B, 4ch), in the network's dtype (float64 too)
         if self.class_emb is not None:
             if y is None:  # unconditional call: everything gets the null class
                 y = torch.full((x.shape[0],), self.cfg.num_classes, device=x.device, dtype=torch.long)
@@ -215,3 +230,162 @@ class UNet(nn.Module):
 
         h = self.conv_out(F.silu(self.norm_out(h)))
         return F.pixel_shuffle(h, P) if P > 1 else h
+
+
+# -----------------------------------------------------------------------------
+# diffusers' UNet2DModel is this network under other names (google/ddpm-cifar10-32, diffusers' conversion of
+# Ho et al.'s CIFAR-10 checkpoint, is the 'ho' preset). Unconditional models with P = 1, no position embedding,
+# one GroupNorm group count throughout and one attention layout can be written in its format and read back.
+
+RENAMES = [  # (our tensor name pattern, diffusers' replacement), applied in this order
+    (r"^time_mlp\.0\.", "time_embedding.linear_1."), (r"^time_mlp\.2\.", "time_embedding.linear_2."),
+    (r"^(down|up)\.(\d+)\.res\.", r"\1_blocks.\2.resnets."), (r"^(down|up)\.(\d+)\.attn\.", r"\1_blocks.\2.attentions."),
+    (r"^downsample\.(\d+)\.", r"down_blocks.\1.downsamplers.0."), (r"^upsample\.(\d+)\.", r"up_blocks.\1.upsamplers.0."),
+    (r"^mid_res1\.", "mid_block.resnets.0."), (r"^mid_attn\.", "mid_block.attentions.0."),
+    (r"^mid_res2\.", "mid_block.resnets.1."), (r"^norm_out\.", "conv_norm_out."),
+    (r"\.temb_proj\.", ".time_emb_proj."), (r"\.skip\.", ".conv_shortcut."), (r"\.norm\.", ".group_norm."),
+    (r"\.proj\.", ".to_out.0."),
+]
+QKV = ("to_q", "to_k", "to_v")  # our fused qkv is diffusers' three layers, stacked along the output
+DEPRECATED = {"query": "to_q", "key": "to_k", "value": "to_v", "proj_attn": "to_out.0"}  # names in older exports
+
+
+def diffusers_names(name):
+    """Our tensor name -> its diffusers name(s): one, or three for a fused qkv."""
+    for pattern, repl in RENAMES:
+        name = re.sub(pattern, repl, name)
+    return [name.replace(".qkv.", f".{n}.") for n in QKV] if ".qkv." in name else [name]
+
+
+def diffusers_config(model):
+    """The UNet2DModel config (config.json's fields) of `model`; ValueError naming what it cannot express."""
+    cfg = model.cfg
+
+    def need(ok, field, why):
+        if not ok:
+            raise ValueError(f"diffusers' UNet2DModel cannot express {field}={getattr(cfg, field)!r} ({why})")
+
+    need(cfg.patch_size == 1, "patch_size", "it has no patching")
+    need(not cfg.pos_emb, "pos_emb", "it has no position embedding")
+    need(cfg.num_classes == 0, "num_classes", "it has no null class for guidance")
+    widths = [int(cfg.base_channels * m) for m in cfg.channel_mult]
+    need(widths[0] == cfg.base_channels, "channel_mult", "its first level is as wide as the input conv")
+    groups = {m.num_groups for m in model.modules() if isinstance(m, nn.GroupNorm)}
+    need(len(groups) == 1, "base_channels", f"one GroupNorm group count for all widths; these give {sorted(groups)}")
+    attns = [m for m in model.modules() if isinstance(m, Attention)]
+    if all(a.heads == 1 for a in attns):
+        head_dim = None  # one head as wide as its block, Ho et al.'s attention
+    else:
+        dims = {a.head_dim for a in attns}
+        need(len(dims) == 1 and all(a.heads * a.head_dim == a.qkv.in_features for a in attns), "attn_heads",
+             "heads of one fixed width that together span the block")
+        head_dim = dims.pop()
+    attn = [cfg.image_size // 2**i in cfg.attn_resolutions for i in range(len(widths))]
+    return {
+        "_class_name": "UNet2DModel", "sample_size": cfg.image_size, "in_channels": cfg.channels,
+        "out_channels": cfg.channels, "center_input_sample": False, "time_embedding_type": "positional",
+        "time_embedding_dim": None, "freq_shift": 1, "flip_sin_to_cos": False,  # Ho's frequencies, sin before cos
+        "down_block_types": ["AttnDownBlock2D" if a else "DownBlock2D" for a in attn],
+        "mid_block_type": "UNetMidBlock2D",
+        "up_block_types": ["AttnUpBlock2D" if a else "UpBlock2D" for a in reversed(attn)],
+        "block_out_channels": widths, "layers_per_block": cfg.num_res_blocks, "mid_block_scale_factor": 1,
+        "downsample_padding": 0,  # TF's 'SAME' on the stride-2 conv, as our Downsample
+        "downsample_type": "conv", "upsample_type": "conv", "dropout": cfg.dropout, "act_fn": "silu",
+        "attention_head_dim": head_dim, "norm_num_groups": groups.pop(), "attn_norm_num_groups": None,
+        "norm_eps": NORM_EPS, "resnet_time_scale_shift": "default", "add_attention": True,
+        "class_embed_type": None, "num_class_embeds": None, "num_train_timesteps": None,
+    }
+
+
+def model_fields_from_diffusers(config):
+    """A UNet2DModel config.json -> our ModelConfig's network fields; ValueError naming a field it cannot express.
+    The caller builds the model and compares diffusers_config(model) with the config, which catches the rest
+    (a GroupNorm group count or an epsilon that differs from ours)."""
+    def need(ok, field, why):
+        if not ok:
+            raise ValueError(f"config.json: {field}={config.get(field)!r} cannot be expressed by this UNet ({why})")
+
+    need(config.get("_class_name", "UNet2DModel") == "UNet2DModel", "_class_name", "only UNet2DModel is")
+    size = config.get("sample_size")
+    size = size[0] if isinstance(size, (list, tuple)) and len(set(size)) == 1 else size
+    need(isinstance(size, int), "sample_size", "square images of a given size only")
+    need(config.get("out_channels") == config.get("in_channels", 3), "out_channels",
+         "the output has the input's channels: no learned variance")
+    widths = list(config.get("block_out_channels") or [])
+    need(widths and all(isinstance(w, int) and w > 0 for w in widths), "block_out_channels", "positive widths")
+    mult = tuple(int(w // widths[0]) if w % widths[0] == 0 else w / widths[0] for w in widths)
+    need(all(int(widths[0] * m) == w for m, w in zip(mult, widths)), "block_out_channels", "widths as multiples")
+    down, up = list(config.get("down_block_types") or []), list(config.get("up_block_types") or [])
+    need(len(down) == len(widths) and set(down) <= {"DownBlock2D", "AttnDownBlock2D"}, "down_block_types",
+         "DownBlock2D and AttnDownBlock2D, one per width")
+    attn = [b == "AttnDownBlock2D" for b in down]
+    need(up == ["AttnUpBlock2D" if a else "UpBlock2D" for a in reversed(attn)], "up_block_types",
+         "the down blocks mirrored")
+    need(config.get("mid_block_type", "UNetMidBlock2D") == "UNetMidBlock2D", "mid_block_type", "a mid block with attention")
+    head_dim = config.get("attention_head_dim", 8)
+    return dict(image_size=size, channels=config["in_channels"], base_channels=widths[0], channel_mult=mult,
+                num_res_blocks=config.get("layers_per_block", 2),
+                attn_resolutions=tuple(size // 2**i for i, a in enumerate(attn) if a),
+                attn_heads=1 if head_dim is None else 0, attn_head_dim=head_dim or 0,
+                dropout=config.get("dropout", 0.0), num_classes=0, patch_size=1, pos_emb=False)
+
+
+def diffusers_state_dict(model):
+    """Our weights under UNet2DModel's tensor names (contiguous copies, as safetensors wants them)."""
+    diffusers_config(model)  # refuses a model it cannot express
+    out = {}
+    for name, tensor in model.state_dict().items():
+        names = diffusers_names(name)
+        for their, part in zip(names, tensor.chunk(len(names))):
+            out[their] = part.detach().contiguous().clone()
+    return out
+
+
+def load_diffusers_state_dict(model, state_dict):
+    """Load UNet2DModel tensors into `model`: every tensor used exactly once; a missing, unexpected or
+    misshapen one is a ValueError. Older exports' attention names (query, key, value, proj_attn) are read too."""
+    old = re.compile(r"\.attentions\.(\d+)\.(query|key|value|proj_attn)\.")
+    theirs = {old.sub(lambda m: f".attentions.{m[1]}.{DEPRECATED[m[2]]}.", k): v for k, v in state_dict.items()}
+    ours, used = {}, set()
+    for name, param in model.state_dict().items():
+        names = diffusers_names(name)
+        missing = [n for n in names if n not in theirs]
+        if missing:
+            raise ValueError(f"the diffusers weights have no tensor {missing[0]}")
+        tensor = torch.cat([theirs[n] for n in names]) if len(names) > 1 else theirs[names[0]]
+        if tensor.shape != param.shape:
+            raise ValueError(f"{names[0]} has shape {tuple(tensor.shape)}; this model's is {tuple(param.shape)}")
+        ours[name] = tensor
+        used.update(names)
+    unexpected = sorted(set(theirs) - used)
+    if unexpected:
+        raise ValueError(f"the diffusers weights hold {len(unexpected)} tensor(s) this model has no place for: {unexpected[0]}, ...")
+    model.load_state_dict(ours)
+    return model
+
+
+DIFFUSERS_DEFAULTS = dict(  # UNet2DModel's own defaults (diffusers 0.42), for fields a config.json leaves out
+    sample_size=None, in_channels=3, out_channels=3, center_input_sample=False, time_embedding_type="positional",
+    time_embedding_dim=None, freq_shift=0, flip_sin_to_cos=True,
+    down_block_types=["DownBlock2D", "AttnDownBlock2D", "AttnDownBlock2D", "AttnDownBlock2D"],
+    mid_block_type="UNetMidBlock2D", up_block_types=["AttnUpBlock2D", "AttnUpBlock2D", "AttnUpBlock2D", "UpBlock2D"],
+    block_out_channels=[224, 448, 672, 896], layers_per_block=2, mid_block_scale_factor=1, downsample_padding=1,
+    downsample_type="conv", upsample_type="conv", dropout=0.0, act_fn="silu", attention_head_dim=8,
+    norm_num_groups=32, attn_norm_num_groups=None, norm_eps=1e-5, resnet_time_scale_shift="default",
+    add_attention=True, class_embed_type=None, num_class_embeds=None, num_train_timesteps=None,
+)
+
+
+def check_diffusers_config(model, config):
+    """ValueError naming the first config.json field in which `model` (built from model_fields_from_diffusers)
+    would compute another function than UNet2DModel with this config."""
+    config = {**DIFFUSERS_DEFAULTS, **config}
+    unknown = sorted(k for k in config if k not in DIFFUSERS_DEFAULTS and not k.startswith("_"))
+    if unknown:
+        raise ValueError(f"config.json: unknown UNet2DModel field {unknown[0]}")
+    if config["attn_norm_num_groups"] == config["norm_num_groups"]:
+        config["attn_norm_num_groups"] = None
+    listed = lambda v: list(v) if isinstance(v, (list, tuple)) else v  # noqa: E731
+    for field, ours in diffusers_config(model).items():
+        if field not in ("_class_name", "attention_head_dim", "sample_size") and listed(config[field]) != listed(ours):
+            raise ValueError(f"config.json: {field}={config[field]!r} cannot be expressed by this UNet (it has {ours!r})")

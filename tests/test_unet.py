@@ -47,10 +47,32 @@ def test_class_conditioning_changes_the_output():
     torch.testing.assert_close(model(x, t), model(x, t, torch.tensor([4, 4])))  # y=None is the null class
 
 
-def test_output_layer_is_zero_initialised():
-    model = UNet(tiny_model())
-    assert model.conv_out.weight.abs().sum() == 0 and model.conv_out.bias.abs().sum() == 0
-    assert model(torch.randn(2, 3, 16, 16), torch.tensor([1, 2])).abs().max() == 0
+def test_initialisation_is_ho_et_als():
+    """diffusion_tf's default_init: every conv and dense layer Glorot-uniform (TF's variance_scaling, fan_avg,
+    uniform; q, k and v as three layers), biases 0, and scale 1e-10 for the last conv of each residual block,
+    the attention output and the output conv. Checked layer by layer on the 'ho' network."""
+    import torch.nn as nn
+
+    from unet import Attention, ResBlock
+
+    model = UNet(ModelConfig())
+    tiny = {model.conv_out} | {m.conv2 for m in model.modules() if isinstance(m, ResBlock)} \
+        | {m.proj for m in model.modules() if isinstance(m, Attention)}
+    layers = [m for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
+    assert len(tiny) == 1 + 22 + 6 and len(layers) == 101
+    for layer in layers:
+        assert layer.bias.abs().max() == 0
+        parts = layer.weight.detach().chunk(3 if layer in {m.qkv for m in model.modules() if isinstance(m, Attention)} else 1)
+        for w in parts:
+            receptive = w[0, 0].numel()
+            fan_avg = (w.shape[0] + w.shape[1]) * receptive / 2
+            limit = (3 * (1e-10 if layer in tiny else 1.0) / fan_avg) ** 0.5
+            assert w.abs().max() <= limit
+            assert abs(w.std().item() / (limit / 3**0.5) - 1) < 0.05, (layer, w.std().item(), limit / 3**0.5)
+    for norm in (m for m in model.modules() if isinstance(m, nn.GroupNorm)):
+        assert norm.eps == 1e-6 and (norm.weight == 1).all() and (norm.bias == 0).all()
+    out = model(torch.randn(2, 3, 32, 32), torch.tensor([1, 900]))
+    assert 0 < out.abs().max() < 1e-3  # every block starts as ~the identity, and the output at ~0
 
 
 @pytest.mark.parametrize("heads,head_dim", [(1, 0), (4, 0), (4, 8)])

@@ -1,0 +1,184 @@
+"""Ho et al.'s network against diffusers' UNet2DModel (the oracle), and the diffusers folder format both ways."""
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_model, tiny_trainer
+
+import diffusers_io
+import sample
+import unet
+from ddpm import ModelConfig, train
+from unet import UNet
+
+diffusers = pytest.importorskip("diffusers")
+
+
+def wide(**kw):
+    """A tiny model whose every GroupNorm has 32 groups, as diffusers' norm_num_groups requires."""
+    return tiny_model(base_channels=64, **kw)
+
+
+def randomise(model):
+    """Random values in every tensor (the ~zero output layers and the norms too), at a scale that keeps
+    activations O(1) through the whole network."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            scale = p[0].numel() ** -0.5 if p.dim() > 1 else 0.3
+            p.copy_(torch.randn_like(p) * scale + (1.0 if "norm" in name and name.endswith("weight") else 0.0))
+    return model
+
+
+def their_model(model):
+    config = {k: v for k, v in unet.diffusers_config(model).items() if not k.startswith("_")}
+    theirs = diffusers.UNet2DModel(**config).to(next(model.parameters()).dtype).eval()
+    theirs.load_state_dict(unet.diffusers_state_dict(model), strict=True)
+    return theirs
+
+
+@pytest.mark.parametrize("mc", [ModelConfig(dropout=0.0),  # the 'ho' preset: Ho et al.'s CIFAR-10 network
+                                wide(channel_mult=(1, 2, 2), num_res_blocks=2, attn_resolutions=(16, 4), attn_heads=0,
+                                     attn_head_dim=32)],
+                         ids=["ho", "multihead"])
+def test_float64_output_equals_diffusers(mc):
+    torch.manual_seed(0)
+    ours = randomise(UNet(mc)).double().eval()
+    theirs = their_model(ours)
+    x = torch.randn(4, 3, mc.image_size, mc.image_size, dtype=torch.float64)
+    t = torch.tensor([0, 1, 500, mc.timesteps - 1])
+    with torch.no_grad():
+        a, b = ours(x, t), theirs(x, t).sample
+    assert a.dtype == torch.float64 and b.abs().max() > 0.05  # a real output, not a vanishing one
+    rel = ((a - b).abs().max() / b.abs().max()).item()
+    assert rel <= 1e-9, rel
+
+
+def test_round_trip_is_bitwise(tmp_path):
+    ours = randomise(UNet(wide()))
+    back = unet.load_diffusers_state_dict(UNet(wide()), unet.diffusers_state_dict(ours))
+    for (name, a), b in zip(ours.state_dict().items(), back.state_dict().values()):
+        assert torch.equal(a, b), name
+    diffusers_io.write(str(tmp_path / "hub"), ours, wide())  # and through the files
+    fields, state, _ = diffusers_io.read(str(tmp_path / "hub"))
+    again = unet.load_diffusers_state_dict(UNet(dataclasses.replace(wide(), **fields)), state)
+    assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), again.state_dict().values()))
+
+
+def test_every_tensor_is_used_exactly_once():
+    state = unet.diffusers_state_dict(randomise(UNet(wide())))
+    missing = dict(state)
+    del missing["mid_block.attentions.0.to_k.weight"]
+    with pytest.raises(ValueError, match="no tensor mid_block.attentions.0.to_k.weight"):
+        unet.load_diffusers_state_dict(UNet(wide()), missing)
+    with pytest.raises(ValueError, match="1 tensor.* no place for: extra.weight"):
+        unet.load_diffusers_state_dict(UNet(wide()), {**state, "extra.weight": torch.zeros(1)})
+    bad = {**state, "conv_in.weight": torch.zeros(64, 3, 1, 1)}
+    with pytest.raises(ValueError, match=r"conv_in.weight has shape \(64, 3, 1, 1\)"):
+        unet.load_diffusers_state_dict(UNet(wide()), bad)
+
+
+def test_older_attention_names_load():
+    """Older exports (the official DDPM checkpoints among them) name the attention layers query, key, value, proj_attn."""
+    ours = randomise(UNet(wide()))
+    old = {k.replace(".to_q.", ".query.").replace(".to_k.", ".key.").replace(".to_v.", ".value.")
+           .replace(".to_out.0.", ".proj_attn."): v for k, v in unet.diffusers_state_dict(ours).items()}
+    back = unet.load_diffusers_state_dict(UNet(wide()), old)
+    assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), back.state_dict().values()))
+
+
+@pytest.mark.parametrize("kw,field", [(dict(patch_size=2, attn_resolutions=(4,)), "patch_size"),
+                                      (dict(num_classes=4), "num_classes"), (dict(pos_emb=True), "pos_emb"),
+                                      (dict(base_channels=16), "base_channels")])
+def test_models_diffusers_cannot_express_are_refused(kw, field):
+    with pytest.raises(ValueError, match=f"cannot express {field}="):
+        unet.diffusers_state_dict(UNet(tiny_model(**{"base_channels": 64, **kw})))
+
+
+def save_ema(model, mc, path):
+    torch.save({"ema": model.state_dict(), "model_config": dataclasses.asdict(mc), "step": 0}, path)
+
+
+def test_export_loads_in_diffusers_and_a_pipeline_runs(tmp_path):
+    mc = wide(prediction="v", schedule="cosine", reverse_variance="small")
+    ours = randomise(UNet(mc))
+    save_ema(ours, mc, tmp_path / "ema.pt")
+    sample.main(["--ckpt", str(tmp_path / "ema.pt"), "--export_diffusers", str(tmp_path / "hub")])
+    theirs = diffusers.UNet2DModel.from_pretrained(str(tmp_path / "hub")).eval()
+    scheduler = diffusers.DDPMScheduler.from_pretrained(str(tmp_path / "hub"))
+    assert scheduler.config.prediction_type == "v_prediction" and scheduler.config.variance_type == "fixed_small"
+    ref = diffusers.DDPMScheduler(num_train_timesteps=100, beta_schedule="squaredcos_cap_v2")
+    torch.testing.assert_close(scheduler.alphas_cumprod, ref.alphas_cumprod, rtol=0, atol=0)
+    x, t = torch.randn(2, 3, 16, 16), torch.tensor([3, 97])
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(x, t).sample, ours.eval()(x, t), rtol=1e-5, atol=1e-5)
+    images = diffusers.DDPMPipeline(unet=theirs, scheduler=scheduler)(batch_size=2, num_inference_steps=2,
+                                                                      output_type="np").images
+    assert images.shape == (2, 16, 16, 3) and np.isfinite(images).all()
+
+
+def test_sampling_a_save_pretrained_folder_equals_our_checkpoint(tmp_path):
+    """The same weights as a folder diffusers wrote (a pipeline's unet/ and scheduler/) and as our ema.pt."""
+    mc = wide()  # T = 100, linear, ε, σ² = β
+    ours = randomise(UNet(mc))
+    save_ema(ours, mc, tmp_path / "ema.pt")
+    their_model(ours).save_pretrained(str(tmp_path / "pipe" / "unet"))
+    diffusers.DDPMScheduler(num_train_timesteps=100, variance_type="fixed_large").save_pretrained(
+        str(tmp_path / "pipe" / "scheduler"))
+    for name, ckpt in (("ours", tmp_path / "ema.pt"), ("theirs", tmp_path / "pipe"), ("unet", tmp_path / "pipe" / "unet")):
+        sample.main(["--ckpt", str(ckpt), "--n", "3", "--steps", "4", "--sampler", "ddpm",
+                     "--out", str(tmp_path / f"{name}.png")])
+    a = np.load(tmp_path / "ours.npz")["images"]
+    assert a.std() > 0
+    assert np.array_equal(a, np.load(tmp_path / "theirs.npz")["images"])
+    assert np.array_equal(a, np.load(tmp_path / "unet.npz")["images"])
+
+
+@pytest.mark.parametrize("file,change,needle", [
+    ("config.json", {"down_block_types": ["CrossAttnDownBlock2D", "DownBlock2D"]}, "down_block_types="),
+    ("config.json", {"out_channels": 6}, "out_channels=6 .*learned variance"),
+    ("config.json", {"class_embed_type": "timestep"}, "class_embed_type="),
+    ("config.json", {"norm_eps": 1e-5}, "norm_eps=1e-05"),
+    ("config.json", {"flip_sin_to_cos": True}, "flip_sin_to_cos=True"),
+    ("config.json", {"cross_attention_dim": 768}, "unknown UNet2DModel field cross_attention_dim"),
+    ("config.json", {"_class_name": "UNet2DConditionModel"}, "_class_name="),
+    ("scheduler_config.json", {"variance_type": "learned_range"}, "variance_type='learned_range'"),
+    ("scheduler_config.json", {"beta_schedule": "scaled_linear"}, "beta_schedule='scaled_linear'"),
+])
+def test_configs_our_unet_cannot_express_are_one_line(tmp_path, capsys, file, change, needle):
+    diffusers_io.write(str(tmp_path / "hub"), UNet(wide()), wide())
+    path = tmp_path / "hub" / file
+    path.write_text(json.dumps({**json.loads(path.read_text()), **change}))
+    with pytest.raises(SystemExit) as e:
+        sample.main(["--ckpt", str(tmp_path / "hub"), "--n", "1"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("error: "), err
+    assert __import__("re").search(needle, err), err
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--ckpt", "{d}/missing"], "no checkpoint at"),
+    (["--ckpt", "{d}", "--export_diffusers", "{d}/out"], "neither a run's checkpoint nor a diffusers model folder"),
+    (["--ckpt", "{d}/cond.pt", "--export_diffusers", "{d}/out"], "cannot express num_classes=4"),
+    (["--ckpt", "{d}/ema.pt", "--export_diffusers", "{d}/ema.pt"], "exists and is not an empty folder"),
+])
+def test_bad_folders_and_exports_are_one_line(tmp_path, capsys, args, needle):
+    save_ema(UNet(wide()), wide(), tmp_path / "ema.pt")
+    save_ema(UNet(wide(num_classes=4)), wide(num_classes=4), tmp_path / "cond.pt")
+    with pytest.raises(SystemExit) as e:
+        sample.main([a.format(d=tmp_path) for a in args])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and needle in err, err
+
+
+def test_init_from_a_diffusers_folder(tmp_path):
+    """ddpm.py --init_from=DIR starts model and EMA from the folder's weights (lr 0: they stay as loaded)."""
+    mc = wide()
+    src = randomise(UNet(mc))
+    their_model(src).save_pretrained(str(tmp_path / "hub"))
+    diffusers.DDPMScheduler(num_train_timesteps=100).save_pretrained(str(tmp_path / "hub"))
+    out = train(mc, tiny_trainer(tmp_path / "run", max_steps=1, lr=0.0, warmup_steps=0, init_from=str(tmp_path / "hub")))
+    ckpt = torch.load(f"{out}/ckpt.pt", weights_only=True)
+    for key in ("model", "ema"):
+        assert all(torch.equal(a, ckpt[key][k]) for k, a in src.state_dict().items()), key
