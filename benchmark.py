@@ -26,6 +26,7 @@ import dataclasses
 import datetime
 import gc
 import json
+import os
 import statistics
 import sys
 
@@ -138,6 +139,14 @@ def main(argv=None):
     p.add_argument("--json", help="write the rows to this file")
     args = p.parse_args(argv)
     try:
+        for name in ("batch", "base_batch", "iters", "warmup", "max_batch", "patch_size"):
+            lo = 1 if name in ("max_batch", "patch_size") else 0
+            if getattr(args, name) < lo:
+                raise ddpm.ConfigError(f"--{name} {getattr(args, name)}: must be >= {lo}")
+        if args.json:  # checked before minutes of measuring
+            folder = os.path.dirname(os.path.abspath(args.json))
+            if not os.path.isdir(folder) or not os.access(folder, os.W_OK) or os.path.isdir(args.json):
+                raise ddpm.ConfigError(f"--json {args.json}: cannot write there (does its folder exist?)")
         device = ddpm.resolve_device(args.device)
         mc, _, _ = ddpm.parse_args(["--preset", args.preset])
     except ddpm.ConfigError as e:

@@ -19,6 +19,9 @@ import hashlib
 import json
 import math
 import os
+import shutil
+import signal
+import threading
 
 import numpy as np
 import torch
@@ -62,6 +65,20 @@ def cifar10(data_dir, image_size, train=True):
     return resize_center_crop(images, image_size), torch.tensor(ds.targets, dtype=torch.long), 10
 
 
+def to_rgb8(im):
+    """A PIL image of any mode -> (H, W, 3) uint8. 16-bit and 32-bit grayscale ('I;16', 'I', 'F') is scaled to
+    8 bits, not clipped (PIL's convert('RGB') clips 65535-scaled values to white); palettes are expanded,
+    alpha is dropped, and CMYK, YCbCr, LAB and 1-bit images are converted by PIL."""
+    if im.mode.startswith("I") or im.mode == "F":
+        a = np.asarray(im, dtype=np.float64)
+        peak = 65535.0 if im.mode.startswith("I;16") or a.max(initial=0) > 255 else 255.0
+        if im.mode == "F" and a.max(initial=0) <= 1.0:  # float images in [0, 1]
+            peak = 1.0
+        a = np.clip(np.round(a * (255.0 / peak)), 0, 255).astype(np.uint8)
+        return np.repeat(a[..., None], 3, axis=2)
+    return np.array(im.convert("RGB"))
+
+
 def image_folder(root, image_size):
     """Every image below `root`; its first-level subfolders are the classes (sorted by name)."""
     from PIL import Image
@@ -84,7 +101,7 @@ def image_folder(root, image_size):
     for f, d in zip(files, top):
         try:
             with Image.open(f) as im:
-                arr = np.array(im.convert("RGB"))  # grayscale, palette and RGBA all become RGB
+                arr = to_rgb8(im)
         except Exception:
             corrupt += 1
             continue
@@ -202,9 +219,43 @@ def write_beton(images, labels, path, num_workers=2):
 
     raw = images.shape[-1] <= 64
     field = RGBImageField(write_mode="raw") if raw else RGBImageField(write_mode="jpg", jpeg_quality=90)
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.exists(path) and not os.path.isfile(path):  # /dev/full, a folder: never replaced by a file
+        raise DataError(f"{path} exists and is not a regular file")
+    need = images.numel() // (1 if raw else 4) + 2**20  # FFCV's writer hangs on a full disk: fail before it
+    try:
+        os.makedirs(folder, exist_ok=True)
+        free = shutil.disk_usage(folder).free
+    except OSError as e:
+        raise DataError(f"cannot write {path} ({e.strerror or e})") from None
+    if free < need:
+        raise DataError(f"{folder} has {free / 2**20:.0f} MiB free; the beton needs about {need / 2**20:.0f} MiB")
     tmp = f"{path}.tmp-{os.getpid()}"
-    DatasetWriter(tmp, {"image": field, "label": IntField()}, num_workers=num_workers).from_indexed_dataset(Rows())
-    os.replace(tmp, path)
+    previous = signal.signal(signal.SIGTERM, interrupt) if threading.current_thread() is threading.main_thread() else None
+    try:
+        DatasetWriter(tmp, {"image": field, "label": IntField()}, num_workers=num_workers).from_indexed_dataset(Rows())
+        os.replace(tmp, path)
+    except OSError as e:
+        raise DataError(f"cannot write {path} ({e.strerror or e})") from None
+    finally:  # an error, Ctrl-C or SIGTERM leaves no temporary file behind
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    return checksum(path)
+
+
+def interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def checksum(path):
+    """BLAKE2b of the whole file (about 1 s per GB): any changed byte, or another file under the name, shows."""
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(2**22), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def beton_name(dataset, data_dir, image_size, shapes_count, train):
@@ -225,16 +276,53 @@ def beton_name(dataset, data_dir, image_size, shapes_count, train):
 def beton_for(dataset, data_dir, image_size, beton_dir, shapes_count=50_000, train=True):
     """-> (path of a finished .beton, num_classes), writing it first if it is not cached yet."""
     path = os.path.join(beton_dir, beton_name(dataset, data_dir, image_size, shapes_count, train))
-    meta = path + ".json"
-    if not (os.path.exists(path) and os.path.exists(meta)):
+    meta = read_meta(path)
+    if meta is None:
         images, labels, num_classes = load_dataset(dataset, data_dir, image_size, shapes_count, train)
-        os.makedirs(beton_dir, exist_ok=True)
-        with open(meta, "w") as f:  # written first: a beton under its final name always has its metadata
-            json.dump({"num_classes": num_classes, "images": len(images), "image_size": image_size}, f)
         print(f"writing {path} ({len(images)} images)")
-        write_beton(images, labels, path)
-    with open(meta) as f:
-        return path, json.load(f)["num_classes"]
+        meta = write_verified_beton(images, labels, num_classes, path)
+    verify_beton(path, meta, image_size)
+    return path, meta["num_classes"]
+
+
+def write_verified_beton(images, labels, num_classes, path):
+    """A beton and its metadata, PATH.json: what it holds and the file's size and checksum, which every
+    use verifies. The metadata is renamed into place last: a beton without it is rewritten."""
+    meta = {"num_classes": num_classes, "images": len(images), "image_size": images.shape[-1]}
+    meta.update(blake2b=write_beton(images, labels, path), bytes=os.path.getsize(path))
+    try:
+        with open(path + ".json.tmp", "w") as f:
+            json.dump(meta, f)
+        os.replace(path + ".json.tmp", path + ".json")
+    except OSError as e:
+        raise DataError(f"cannot write {path}.json ({e.strerror or e})") from None
+    return meta
+
+
+def read_meta(path):
+    """A cached beton's metadata, or None where the beton must be (re)written: either file missing, or
+    metadata from before checksums were recorded."""
+    if not (os.path.exists(path) and os.path.exists(path + ".json")):
+        return None
+    try:
+        with open(path + ".json") as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        raise DataError(f"cannot read {path}.json ({type(e).__name__}); delete it and {path} to rewrite them") from None
+    if "blake2b" not in meta:
+        print(f"note: {path} has no checksum recorded (an older cache); rewriting it")
+        return None
+    return meta
+
+
+def verify_beton(path, meta, image_size):
+    """The beton is the one its metadata describes: its resolution, its size and every byte."""
+    problem = (f"holds {meta.get('image_size')}px images, not {image_size}px" if meta.get("image_size") != image_size
+               else f"is {os.path.getsize(path)} bytes, not the {meta['bytes']} written" if os.path.getsize(path) != meta.get("bytes")
+               else "does not match the checksum recorded when it was written" if checksum(path) != meta["blake2b"]
+               else None)
+    if problem:
+        raise DataError(f"{path} {problem} (corrupt or replaced): delete it and its .json to rewrite it")
 
 
 # -----------------------------------------------------------------------------
@@ -261,6 +349,12 @@ def shard(order, n):
     return order[rank::world][: n // world]
 
 
+def world_size():
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def to_device(x, device):
     """A host tensor to the device without a host sync: a copy from pageable memory would wait for
     the GPU's queue to drain first, so it goes through pinned memory."""
@@ -282,8 +376,8 @@ class Loader:
         self._init_state(len(images), batch_size, seed, device, hflip, with_labels)
 
     def _init_state(self, n, batch_size, seed, device, hflip, with_labels):
-        if batch_size > n:
-            raise DataError(f"batch_size {batch_size} exceeds the dataset's {n} images")
+        if batch_size * world_size() > n:  # under torchrun each rank draws from its 1/world share of the images
+            raise DataError(f"the global batch of {batch_size * world_size()} images exceeds the dataset's {n}")
         self.n, self.batch_size, self.seed, self.hflip, self.with_labels = int(n), batch_size, seed, hflip, with_labels
         self.device = torch.device(device)
         self.epoch, self.index = 0, 0
@@ -533,15 +627,20 @@ def main(argv=None):
     p.add_argument("--epochs", type=int, default=3)
     args = p.parse_args(argv)
     try:
+        for name in ("image_size", "shapes_count", "batch_size", "num_workers", "epochs"):
+            if getattr(args, name) < 1:
+                raise DataError(f"--{name} {getattr(args, name)}: must be >= 1")
         if args.bench:
             bench(args.data_dir, args.image_size, args.batch_size, args.num_workers, args.epochs)
         elif args.out:
             if not ffcv_available():
                 raise DataError("ffcv cannot be imported: run make setup (it needs libturbojpeg0-dev libopencv-dev pkg-config)")
-            images, labels, _ = load_dataset(args.dataset, args.data_dir, args.image_size, args.shapes_count,
-                                             train=args.split == "train")
-            write_beton(images, labels, args.out)
-            print(f"wrote {args.out}: {len(images)} images, {args.image_size}px")
+            if os.path.exists(args.out) and not os.path.isfile(args.out):  # before loading any data
+                raise DataError(f"{args.out} exists and is not a regular file")
+            images, labels, num_classes = load_dataset(args.dataset, args.data_dir, args.image_size, args.shapes_count,
+                                                       train=args.split == "train")
+            write_verified_beton(images, labels, num_classes, args.out)
+            print(f"wrote {args.out} and {args.out}.json: {len(images)} images, {args.image_size}px")
         else:
             raise DataError("give --out PATH.beton to write a beton, or --bench")
     except DataError as e:

@@ -191,6 +191,21 @@ def parse_value(name, text, typ):
         raise ConfigError(f"--{name}={text}: {e}") from None
 
 
+BOUNDS = {  # the range of every numeric field, [lo, hi) (hi None: no upper bound); validate() adds the relations
+    "image_size": (1, None), "channels": (1, None), "patch_size": (1, None), "base_channels": (4, None),
+    "num_res_blocks": (1, None), "attn_heads": (0, None), "attn_head_dim": (0, None), "dropout": (0, 1),
+    "num_classes": (0, None), "p_uncond": (0, 1), "timesteps": (2, None), "beta_start": (0, 1), "beta_end": (0, 1),
+    "min_snr_gamma": (1e-12, None), "split_timestep": (0, None), "split_snr": (0, None),
+    "shapes_count": (1, None), "num_workers": (1, None), "batch_size": (1, None), "max_steps": (0, None),
+    "lr": (0, None), "warmup_steps": (0, None), "weight_decay": (0, None), "adam_beta1": (0, 1),
+    "adam_beta2": (0, 1), "grad_clip": (0, None), "max_nonfinite_steps": (1, None), "ema_decay": (0, 1),
+    "cpu_threads": (0, None), "log_every_steps": (1, None), "sample_every_steps": (0, None),
+    "ckpt_every_steps": (0, None), "num_samples": (0, None), "sample_steps": (0, None), "guidance": (0, None),
+    "eval_every_steps": (0, None), "eval_fid_samples": (0, None), "eval_sample_steps": (1, None),
+    "eval_bpd_images": (0, None), "eval_bpd_strata": (1, None), "seed": (0, 2**63 - 1024),
+}
+
+
 def validate(mc, tc):
     """Catch impossible values and combinations before anything is built."""
     def check(ok, msg):
@@ -204,17 +219,21 @@ def validate(mc, tc):
             if typing.get_origin(typ) is Literal:
                 v = getattr(cfg, f.name)
                 check(v in typing.get_args(typ), f"{f.name}='{v}': choose one of {', '.join(typing.get_args(typ))}")
-    for name in ("image_size", "channels", "patch_size", "base_channels", "num_res_blocks", "batch_size"):
-        check(getattr(mc if hasattr(mc, name) else tc, name) >= 1, f"{name} must be >= 1")
-    check(mc.timesteps >= 2, "timesteps must be >= 2")
+    for cfg in (mc, tc):  # every number in range, NaN and inf included; relations between fields follow
+        for f in dataclasses.fields(cfg):
+            v = getattr(cfg, f.name)
+            if f.name in BOUNDS and isinstance(v, (int, float)) and not isinstance(v, bool):
+                lo, hi = BOUNDS[f.name]
+                check(math.isfinite(v) and lo <= v and (hi is None or v < hi),
+                      f"{f.name}={v}: must be " + (f">= {lo}" if hi is None else f"in [{lo}, {hi})"))
     check(0 <= mc.split_timestep < mc.timesteps, f"split_timestep must lie in [0, timesteps={mc.timesteps})")
     check(not (mc.split_timestep and mc.split_snr), "give split_timestep or split_snr, not both")
-    check(mc.split_snr >= 0, "split_snr must be >= 0")
     try:
         split_timestep(mc)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    check(len(mc.channel_mult) >= 1 and min(mc.channel_mult) > 0, "channel_mult needs one or more positive entries")
+    check(len(mc.channel_mult) >= 1 and all(math.isfinite(m) and m > 0 for m in mc.channel_mult),
+          "channel_mult needs one or more positive entries")
     levels = len(mc.channel_mult)
     factor = mc.patch_size * 2 ** (levels - 1)
     check(mc.image_size % factor == 0,
@@ -223,22 +242,15 @@ def validate(mc, tc):
     for r in mc.attn_resolutions:
         check(r in grid, f"attn_resolutions: {r} never occurs; the patched grid has resolutions {grid}")
     widths = [int(mc.base_channels * m) for m in mc.channel_mult]
-    check(mc.attn_heads >= 0 and mc.attn_head_dim >= 0, "attn_heads and attn_head_dim must be >= 0")
+    check(min(widths) >= 2, f"channel_mult gives widths {widths}: each must be >= 2 channels")
     check(mc.attn_heads or mc.attn_head_dim, "attn_heads=0 needs attn_head_dim > 0")
     if mc.attn_head_dim == 0:
         check(all(w % mc.attn_heads == 0 for w in widths), f"attn_heads {mc.attn_heads} does not divide the widths {widths}")
     if mc.attn_heads == 0:
         check(all(w % mc.attn_head_dim == 0 for w in widths), f"attn_head_dim {mc.attn_head_dim} does not divide the widths {widths}")
     check(0 < mc.beta_start < mc.beta_end < 1, "need 0 < beta_start < beta_end < 1")
-    check(0 <= mc.dropout < 1 and 0 <= mc.p_uncond < 1, "dropout and p_uncond must lie in [0, 1)")
-    check(0 <= tc.ema_decay < 1, "ema_decay must lie in [0, 1)")
-    check(tc.max_steps >= 0 and tc.warmup_steps >= 0 and tc.grad_clip >= 0, "max_steps, warmup_steps, grad_clip must be >= 0")
-    check(tc.log_every_steps >= 1, "log_every_steps must be >= 1")
-    check(tc.max_nonfinite_steps >= 1, "max_nonfinite_steps must be >= 1")
-    check(tc.cpu_threads >= 0, "cpu_threads must be >= 0")
     check(0 <= tc.sample_steps <= mc.timesteps, f"sample_steps must lie in [0, timesteps={mc.timesteps}]")
     check(not tc.resume or tc.out_dir, "--resume needs --out_dir, the run folder to continue")
-    check(min(tc.eval_every_steps, tc.eval_fid_samples, tc.eval_bpd_images) >= 0, "eval_* counts must be >= 0")
     check(1 <= tc.eval_sample_steps <= mc.timesteps, f"eval_sample_steps must lie in [1, timesteps={mc.timesteps}]")
     check(1 <= tc.eval_bpd_strata <= mc.timesteps - 1, f"eval_bpd_strata must lie in [1, timesteps-1={mc.timesteps - 1}]")
     check(tc.eval_fid_samples != 1, "eval_fid_samples must be 0 or >= 2 (a covariance needs two samples)")
@@ -572,7 +584,9 @@ class Diffusion(torch.nn.Module):
 
         The KL terms t = 1..T-1 are cut into `strata` contiguous strata of n_k timesteps; two timesteps
         drawn uniformly in each give the stratified estimate Σ_k n_k (L_a + L_b)/2 of their sum, with
-        variance Σ_k n_k² (L_a - L_b)²/4. The prior and decoder terms are computed exactly.
+        variance Σ_k n_k² (L_a - L_b)²/4. The prior and decoder terms are computed exactly. Every image
+        draws its own timesteps, so the images' errors are independent and their standard errors combine
+        as such (one draw shared by the batch would correlate them).
         """
         x0, T = x0.double(), self.cfg.timesteps
         if not 1 <= strata <= T - 1:
@@ -581,8 +595,8 @@ class Diffusion(torch.nn.Module):
         var = torch.zeros_like(nats)
         edges = torch.linspace(1, T, strata + 1).round().long().tolist()
         for lo, hi in zip(edges[:-1], edges[1:]):
-            draws = torch.randint(lo, hi, (2,), generator=generator).tolist()
-            a, b = (self._vb_term(model, x0, t, y, threshold, generator) for t in draws)
+            draws = torch.randint(lo, hi, (2, x0.shape[0]), generator=generator, device=generator.device if generator else "cpu")
+            a, b = (self._vb_term(model, x0, t.to(x0.device), y, threshold, generator) for t in draws)
             nats += (hi - lo) * (a + b) / 2
             var += (hi - lo) ** 2 * (a - b) ** 2 / 4
         scale = x0[0].numel() * math.log(2)
@@ -594,17 +608,18 @@ class Diffusion(torch.nn.Module):
         return normal_kl(ab_T**0.5 * x0, 1 - ab_T, 0.0, 1.0).flatten(1).sum(1)
 
     def _vb_term(self, model, x0, t, y, threshold, generator):
-        """L_{t-1} of eq. 5 per image, in nats, at one x_t ~ q(x_t|x_0); t = 0 is the decoder L_0."""
-        tt = torch.full((x0.shape[0],), t, device=x0.device, dtype=torch.long)
+        """L_{t-1} of eq. 5 per image, in nats, at one x_t ~ q(x_t|x_0); t: one timestep for the batch, or (B,)
+        timesteps >= 1, one per image; t = 0 is the decoder L_0."""
+        tt = torch.full((x0.shape[0],), t, device=x0.device, dtype=torch.long) if isinstance(t, int) else t
         noise = torch.randn(x0.shape, generator=generator, device=generator.device if generator else x0.device)
         z = self.q_sample(x0, tt, noise.to(x0.device, torch.float64))
         x0_hat, _ = self.predict_x0_eps(model(z.float(), tt, y).double(), z, tt, threshold)
         mean_p, _ = self.q_posterior_mean_variance(x0_hat, z, tt)
-        if t == 0:  # the discretised decoder
+        if isinstance(t, int) and t == 0:  # the discretised decoder
             return -discretized_gaussian_log_likelihood(x0, mean_p, self.posterior_variance[1].item()).flatten(1).sum(1)
         mean_q, var_q = self.q_posterior_mean_variance(x0, z, tt)
-        var_p = self.posterior_variance[t] if self.cfg.reverse_variance == "small" else self.betas[t]
-        return normal_kl(mean_q, var_q, mean_p, var_p.item()).flatten(1).sum(1)
+        var_p = extract(self.posterior_variance if self.cfg.reverse_variance == "small" else self.betas, tt, x0)
+        return normal_kl(mean_q, var_q, mean_p, var_p).flatten(1).sum(1)
 
 
 def normal_kl(mean1, var1, mean2, var2):
@@ -1018,6 +1033,10 @@ def resolve_device(name):
         raise ConfigError(f"--device={name}: not a device name") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"--device={name}: no CUDA device is available")
+    try:  # any other missing device (mps on a machine without it, cuda:7 of 1 GPU) fails here, not mid-run
+        torch.empty(1, device=device)
+    except (RuntimeError, AssertionError, ValueError) as e:
+        raise ConfigError(f"--device={name}: not available here ({(str(e).strip().splitlines() or [''])[0]})") from None
     return device
 
 
@@ -1099,7 +1118,66 @@ class Preemption:
 
 
 def previous_path(path):
-    return path.replace(".pt", ".prev.pt")
+    """ckpt.pt -> ckpt.prev.pt, in the same folder, whatever the folder is called."""
+    root, ext = os.path.splitext(path)
+    return root + ".prev" + ext
+
+
+HELD_LOCKS = set()  # the tokens of the run-folder locks this process holds
+
+
+def lock_run_folder(out_dir):
+    """One run per folder: out_dir/run.lock names its owner's host and pid, and a second run is refused in one
+    line. A lock left by a run that is gone (same host and that pid no longer alive, or this process's own from
+    a run that already ended) is stale and taken over. -> (path, token) for unlock_run_folder."""
+    path = os.path.join(out_dir, "run.lock")
+    me = {"host": platform.node(), "pid": os.getpid(), "token": os.urandom(8).hex(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+    for _ in range(3):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            try:
+                with open(path) as f:
+                    owner = json.load(f)
+            except (OSError, ValueError):  # being written this instant, or garbage: live if fresh
+                fresh = time.time() - os.path.getmtime(path) < 10 if os.path.exists(path) else False
+                owner = {"host": "?", "pid": "?"} if fresh else {"host": me["host"], "pid": -1}
+            if not (owner.get("host") == me["host"] and not process_alive(owner.get("pid"), owner.get("token"))):
+                raise ConfigError(f"{out_dir} is in use by another run (pid {owner.get('pid')} on {owner.get('host')}, "
+                                  f"since {owner.get('since', '?')}); if that run has ended, delete {path}")
+            print(f"note: taking over the stale lock of pid {owner.get('pid')}, which has ended")
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+            continue
+        with os.fdopen(fd, "w") as f:
+            json.dump(me, f)
+        HELD_LOCKS.add(me["token"])
+        return path, me["token"]
+    raise ConfigError(f"could not take the lock {path}")
+
+
+def process_alive(pid, token):
+    if pid == os.getpid():  # this process: alive, but the lock is stale unless a run in it still holds it
+        return token in HELD_LOCKS
+    try:
+        os.kill(int(pid), 0)
+    except (ProcessLookupError, ValueError, TypeError, OverflowError):
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def unlock_run_folder(lock):
+    if lock is None:
+        return
+    path, token = lock
+    HELD_LOCKS.discard(token)
+    with contextlib.suppress(OSError, ValueError):
+        with open(path) as f:
+            mine = json.load(f).get("token") == token
+        if mine:
+            os.remove(path)
 
 
 def load_resume_checkpoint(out_dir, device):
@@ -1172,7 +1250,10 @@ def train(mc, tc, preset="custom"):
         raise ConfigError(f"{out_dir} already holds a checkpoint: pass --resume to continue it, or choose another --out_dir")
     if world > 1 and not tc.out_dir:
         raise ConfigError("under torchrun, give --out_dir (every rank must name the same run folder)")
-    os.makedirs(out_dir, exist_ok=True)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:  # a path through a file, a read-only place
+        raise ConfigError(f"--out_dir={out_dir}: cannot make it ({e.strerror or e})") from None
 
     loader, data_classes = make_loader(tc.loader, tc.dataset, tc.data_dir, mc.image_size, tc.batch_size // world,
                                        tc.seed, device, hflip=tc.hflip, with_labels=mc.num_classes > 0,
@@ -1220,24 +1301,6 @@ def train(mc, tc, preset="custom"):
     flops_per_step = train_flops_per_image(mc, tc.attention) * tc.batch_size
     peak, peak_source = peak_flops(device, precision)
     n_params = sum(p.numel() for p in model.parameters())
-    if lead:
-        info = {
-            "preset": preset, "model": asdict(mc), "trainer": asdict(tc),
-            "resolved": {"out_dir": out_dir, "device": str(device), "world_size": world, "precision": precision,
-                         "channels_last": channels_last,
-                         "parameters": n_params, "train_flops_per_image": flops_per_step // tc.batch_size,
-                         "torchinfo_flops_per_image_x3": torchinfo_flops_per_image(mc),
-                         "peak_flops_per_device": peak, "peak_source": peak_source, "dataset_images": loader.n,
-                         "loader": type(loader).__name__},
-            "environment": environment(device),
-        }
-        with open(os.path.join(out_dir, "config.json" if not tc.resume else f"config-resume-{step}.json"), "w") as f:
-            json.dump(info, f, indent=2)
-        print(f"{out_dir}: {n_params / 1e6:.2f}M parameters, {loader.n} images ({type(loader).__name__}), "
-              f"{world} x {device} {precision} {'NHWC' if channels_last else 'NCHW'}, {flops_per_step / tc.batch_size / 1e9:.3g} GFLOP/image fwd+bwd counted "
-              f"(torchinfo x3 estimate: {(info['resolved']['torchinfo_flops_per_image_x3'] or float('nan')) / 1e9:.3g}), "
-              f"MFU against {peak / 1e12:.3g} TFLOP/s per device ({peak_source})")
-
     def ema_model(z, t, y):
         with autocast(device, precision):
             return ema(z, t, y)
@@ -1252,11 +1315,16 @@ def train(mc, tc, preset="custom"):
         x = gather_rows(x, rank, world)
         if lead:
             save_grid(x, os.path.join(out_dir, f"samples_{step:07d}.png"))
-            plot_losses(metrics_path, os.path.join(out_dir, "loss.png"))
+            if os.path.exists(metrics_path):  # not before the first log line
+                plot_losses(metrics_path, os.path.join(out_dir, "loss.png"))
 
     def save_checkpoint(step):
         if not lead:  # written once; the other ranks hold the same state
             return
+        finite = torch.stack([torch.isfinite(p).all() for p in [*model.parameters(), *ema.parameters()]]).all()
+        if not finite.item():  # a sync, once per checkpoint; a finite step can still overflow the weights (huge lr)
+            raise TrainingError(f"the weights are no longer finite at step {step}; {ckpt_path} is left as it was "
+                                "(lower --lr, then --resume)")
         rng = {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if device.type == "cuda" else []}
         state = {"model": model.state_dict(), "ema": ema.state_dict(), "optimizer": opt.state_dict(),
                  "loader": loader.state_dict(), "world_size": world, "step": step, "rng": rng,
@@ -1309,12 +1377,32 @@ def train(mc, tc, preset="custom"):
     sums = torch.zeros(10, device=device)  # loss, loss per t quartile (4), count per quartile (4), steps: summed on device
     skipped = torch.zeros(3, device=device)  # skipped steps in this interval, the current run of them, the longest run
     skipped_total = ckpt.get("nonfinite_skipped", 0) if tc.resume else 0  # over the whole run
+    lock = lock_run_folder(out_dir) if lead else None  # one run per folder: a second one is refused here
     preempt = Preemption(world)
     start_step, t_start = step, time.time()
     pbar = tqdm(total=tc.max_steps, initial=step, dynamic_ncols=True, desc="train", disable=not lead)
     try:
+        if lead:
+            info = {
+                "preset": preset, "model": asdict(mc), "trainer": asdict(tc),
+                "resolved": {"out_dir": out_dir, "device": str(device), "world_size": world, "precision": precision,
+                             "channels_last": channels_last,
+                             "parameters": n_params, "train_flops_per_image": flops_per_step // tc.batch_size,
+                             "torchinfo_flops_per_image_x3": torchinfo_flops_per_image(mc),
+                             "peak_flops_per_device": peak, "peak_source": peak_source, "dataset_images": loader.n,
+                             "loader": type(loader).__name__},
+                "environment": environment(device),
+            }
+            with open(os.path.join(out_dir, "config.json" if not tc.resume else f"config-resume-{step}.json"), "w") as f:
+                json.dump(info, f, indent=2)
+            print(f"{out_dir}: {n_params / 1e6:.2f}M parameters, {loader.n} images ({type(loader).__name__}), "
+                  f"{world} x {device} {precision} {'NHWC' if channels_last else 'NCHW'}, {flops_per_step / tc.batch_size / 1e9:.3g} GFLOP/image fwd+bwd counted "
+                  f"(torchinfo x3 estimate: {(info['resolved']['torchinfo_flops_per_image_x3'] or float('nan')) / 1e9:.3g}), "
+                  f"MFU against {peak / 1e12:.3g} TFLOP/s per device ({peak_source})")
+        if step >= tc.max_steps:
+            say(f"note: {out_dir} is at step {step}, which is --max_steps={tc.max_steps} or past it: nothing to train")
         while True:
-            last_step = step == tc.max_steps
+            last_step = step >= tc.max_steps
 
             # 1. learning rate
             lr = lr_at(step, tc)
@@ -1322,10 +1410,10 @@ def train(mc, tc, preset="custom"):
                 g["lr"] = lr
 
             # 2. sample grid, checkpoint, evaluation (off the clock)
-            if step > start_step and (last_step or (tc.sample_every_steps and step % tc.sample_every_steps == 0)):
-                save_samples(step)
             if step > start_step and (last_step or (tc.ckpt_every_steps and step % tc.ckpt_every_steps == 0)):
-                save_checkpoint(step)
+                save_checkpoint(step)  # first: a failure in sampling or evaluation never costs the checkpoint
+            if step > start_step and tc.num_samples and (last_step or (tc.sample_every_steps and step % tc.sample_every_steps == 0)):
+                save_samples(step)
             if evaluator and step > start_step and (last_step or step % tc.eval_every_steps == 0):
                 row = {"step": step, **evaluator(ema, precision)}
                 log(row)
@@ -1346,9 +1434,9 @@ def train(mc, tc, preset="custom"):
                 timer.stop()
 
             # 5. accounting on the device, read at log intervals only
-            quartile = diffusion.last_t * 4 // mc.timesteps
-            sums[0] += loss * ok
-            sums[1:5].index_add_(0, quartile, diffusion.last_losses * ok)
+            quartile, good = diffusion.last_t * 4 // mc.timesteps, ok > 0  # where, not x * ok: NaN * 0 is NaN
+            sums[0] += torch.where(good, loss, 0.0)
+            sums[1:5].index_add_(0, quartile, torch.where(good, diffusion.last_losses, 0.0))
             sums[5:9].index_add_(0, quartile, torch.ones_like(diffusion.last_losses) * ok)
             sums[9] += ok
             skipped[0] += 1 - ok
@@ -1367,6 +1455,7 @@ def train(mc, tc, preset="custom"):
     finally:
         preempt.close()
         pbar.close()
+        unlock_run_folder(lock)
     say(f"done: {out_dir} (step {step}, {time.time() - t_start:.0f} s)")
     return out_dir
 

@@ -22,6 +22,7 @@ Measured: see README.md (the demo grid) -- sampling cost is the network's forwar
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -134,8 +135,15 @@ def reference_stats(extractor, dataset, data_dir, image_size, shapes_count, devi
     rank, world = distributed()
     (cached,) = all_reduce_sum(torch.tensor(float(os.path.exists(path)), dtype=torch.float64))
     if cached == world:  # decided together: a rank that skipped the computation would leave the others waiting
-        with np.load(path) as z:
-            return {k: z[k] for k in z.files}
+        try:  # a file on disk may be truncated or someone else's: checked before it is trusted
+            with np.load(path) as z:
+                ref = {k: z[k] for k in z.files}
+            ok = {"mu", "sigma", "features", "n"} <= set(ref) and ref["sigma"].shape == (len(ref["mu"]),) * 2
+        except Exception:
+            ok = False
+        if not ok:
+            raise EvalError(f"{path} is not readable FID reference statistics: delete it and they are computed again")
+        return ref
     try:
         images, _, _ = data.load_dataset(dataset, data_dir, image_size, shapes_count, train=True)
     except data.DataError as e:
@@ -301,6 +309,13 @@ def main(argv=None):
             raise ddpm.ConfigError(f"{args.ckpt} is one expert of a split model: give the other with --ckpt_high")
         if not (0 <= args.steps <= mc.timesteps) or args.n < 1 or args.batch < 1:
             raise ddpm.ConfigError(f"need n >= 1, batch >= 1 and 0 <= steps <= {mc.timesteps}")
+        for name, ok in (("guidance", 0 <= args.guidance < math.inf), ("eta", 0 <= args.eta <= 1),
+                         ("percentile", 0 < args.percentile <= 1), ("seed", 0 <= args.seed < 2**63),
+                         ("strata", 0 <= args.strata < mc.timesteps)):
+            if not ok:  # NaN fails every comparison
+                raise ddpm.ConfigError(f"--{name} {getattr(args, name)} is out of range")
+        if not args.export_diffusers:  # the outputs are checked before any sampling
+            check_output(args.out)
         if args.label >= mc.num_classes or (args.label >= 0 and mc.num_classes == 0):
             raise ddpm.ConfigError(f"--label {args.label}: the model has {mc.num_classes} classes")
         if args.export_diffusers:
@@ -362,6 +377,22 @@ def main(argv=None):
         extra = "".join(f", {k} {result[k]:.4f}" for k in ("inception_score", "precision", "recall") if k in result)
         print(f"FID {result['fid']:.3f} ({args.n} samples vs {result['reference']}){extra}; wrote {path}")
         return result
+
+
+def check_output(out):
+    """The grid's format from its extension, and a folder it can be written into (made now if missing)."""
+    from PIL import Image
+
+    ext = os.path.splitext(out)[1].lower()
+    if ext not in Image.registered_extensions():
+        raise ddpm.ConfigError(f"--out {out}: give the grid an image extension such as .png")
+    folder = os.path.dirname(os.path.abspath(out))
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        raise ddpm.ConfigError(f"--out {out}: cannot make the folder {folder} ({e.strerror or e})") from None
+    if not os.access(folder, os.W_OK) or os.path.isdir(out):
+        raise ddpm.ConfigError(f"--out {out}: cannot write there")
 
 
 def run_data(args, run):

@@ -8,6 +8,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ddpm import ModelConfig, TrainerConfig  # noqa: E402
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY_ARGS = ["--image_size=16", "--base_channels=16", "--channel_mult=1,2", "--num_res_blocks=1", "--attn_resolutions=8",
+             "--dropout=0", "--timesteps=100", "--dataset=shapes", "--shapes_count=256", "--compile=false",
+             "--precision=fp32", "--lr=2e-3", "--warmup_steps=2", "--sample_every_steps=0", "--ckpt_every_steps=0",
+             "--num_samples=4", "--sampler=ddim", "--sample_steps=3"]  # tiny_model and tiny_trainer, as ddpm.py flags
+
 
 @pytest.fixture(autouse=True)
 def _seed():

@@ -95,3 +95,18 @@ def test_stratified_estimate_is_exact_where_the_terms_vanish_and_close_elsewhere
     est, se = d.bpd_estimate(blurry, x0, strata=20, generator=g())  # 41 calls instead of 100
     assert (se > 0).all()
     assert ((est - exact).abs() < 4 * se + 1e-3).all()
+
+
+def test_reported_standard_error_matches_the_spread_over_repeats():
+    """The s.e. of a batch's mean bits/dim, combined from the images' s.e. as independent errors, against the
+    standard deviation of that mean over repeated estimates (shared timesteps made it ~4x too small here)."""
+    d = Diffusion(ModelConfig(timesteps=100, prediction="x", reverse_variance="small"))
+    x0 = eight_bit((16, 3, 4, 4), seed=4)
+    g = torch.Generator().manual_seed(0)
+    means, reported = [], []
+    for _ in range(80):
+        est, se = d.bpd_estimate(lambda z, t, y: 0.8 * oracle(d, x0)(z, t, y), x0, strata=5, generator=g)
+        means.append(est.mean().item())
+        reported.append((se**2).sum().sqrt().item() / len(x0))
+    ratio = np.sqrt(np.mean(np.square(reported))) / np.std(means, ddof=1)
+    assert 0.7 < ratio < 1.4, ratio
