@@ -10,9 +10,9 @@ Read top to bottom: the two configs and their presets, the diffusion maths (Diff
 FLOP counting and MFU, the train step shared with benchmark.py, the training loop, the CLI.
 The network itself is in unet.py and knows nothing of the noise schedule; data is in data.py.
 
-Measured (2026-12-02, torch 2.14.1): `make demo` learns recognisable 16x16 shapes in 1 min 31 s on
-2 AVX512-BF16 CPU cores (bf16, 425 img/s, 38% of the measured bf16 matmul rate); 4 min 35 s in fp32 on 2
-AVX2 cores. No GPU figures yet: BENCHMARKS.md.
+Measured (2026-12-03, torch 2.14.1): the demo preset learns recognisable 16x16 shapes in 1 min 45 s on
+2 AVX512-BF16 CPU cores (bf16, 375 img/s); 4 min 35 s in fp32 on 2 AVX2 cores (2026-12-02). No GPU figures
+yet: BENCHMARKS.md.
 """
 import contextlib
 import copy
