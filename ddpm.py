@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 import diffusers_io
+import evaluate
 import unet
 from data import DataError, make_loader
 from unet import UNet
@@ -1291,11 +1292,9 @@ def train(mc, tc, preset="custom"):
     forward = compiled(net, tc)
     evaluator = None
     if tc.eval_every_steps:  # built now: missing Inception weights or data fail before training, not hours in
-        import sample  # the evaluation lives with the sampling
-
         try:
-            evaluator = sample.TrainingEval(mc, tc, diffusion, device)
-        except sample.EvalError as e:
+            evaluator = evaluate.TrainingEval(mc, tc, diffusion, device)
+        except evaluate.EvalError as e:
             raise ConfigError(str(e)) from None
 
     flops_per_step = train_flops_per_image(mc, tc.attention) * tc.batch_size
@@ -1415,7 +1414,7 @@ def train(mc, tc, preset="custom"):
             if step > start_step and tc.num_samples and (last_step or (tc.sample_every_steps and step % tc.sample_every_steps == 0)):
                 save_samples(step)
             if evaluator and step > start_step and (last_step or step % tc.eval_every_steps == 0):
-                row = {"step": step, **evaluator(ema, precision)}
+                row = {"step": step, **evaluator(ema_model, ema)}
                 log(row)
                 say(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
             if last_step:

@@ -12,6 +12,7 @@ import scipy.linalg
 import torch
 from conftest import tiny_model, tiny_trainer
 
+import evaluate
 import sample
 from ddpm import ConfigError, train
 
@@ -47,32 +48,32 @@ def test_frechet_distance_matches_scipy():
     rng = np.random.default_rng(0)
     x = rng.normal(size=(500, 12))
     y = rng.normal(size=(400, 12)) @ rng.normal(size=(12, 12)) * 0.5 + 0.3
-    mu1, s1 = sample.mean_cov(torch.from_numpy(x))
-    mu2, s2 = sample.mean_cov(torch.from_numpy(y))
+    mu1, s1 = evaluate.mean_cov(torch.from_numpy(x))
+    mu2, s2 = evaluate.mean_cov(torch.from_numpy(y))
     np.testing.assert_allclose(s1, np.cov(x, rowvar=False), rtol=1e-10)
-    assert sample.frechet_distance(mu1, s1, mu2, s2) == pytest.approx(reference_fid(x, y), rel=1e-6)
-    assert sample.frechet_distance(mu1, s1, mu1, s1) == pytest.approx(0, abs=1e-6)
+    assert evaluate.frechet_distance(mu1, s1, mu2, s2) == pytest.approx(reference_fid(x, y), rel=1e-6)
+    assert evaluate.frechet_distance(mu1, s1, mu1, s1) == pytest.approx(0, abs=1e-6)
 
 
 def test_reference_stats_are_cached_and_fid_of_the_data_itself_is_zero(tmp_path):
     ext = TinyFeatures()
-    ref = sample.reference_stats(ext, "shapes", "unused", 16, 96, "cpu", cache_dir=str(tmp_path), batch=32)
+    ref = evaluate.reference_stats(ext, "shapes", "unused", 16, 96, "cpu", cache_dir=str(tmp_path), batch=32)
     assert ext.calls == 3 and ref["features"].shape == (96, 16) and int(ref["n"]) == 96
     files = os.listdir(tmp_path)
     assert len(files) == 1 and files[0].startswith("shapes-train-16px-n96-tiny")
-    again = sample.reference_stats(ext, "shapes", "unused", 16, 96, "cpu", cache_dir=str(tmp_path))
+    again = evaluate.reference_stats(ext, "shapes", "unused", 16, 96, "cpu", cache_dir=str(tmp_path))
     assert ext.calls == 3  # read from the cache
     np.testing.assert_array_equal(again["sigma"], ref["sigma"])
 
     import data
 
     images, _, _ = data.load_dataset("shapes", "unused", 16, 96)
-    same = sample.fid_metrics(*sample.features(ext, images.split(40), "cpu"), ref)
+    same = evaluate.fid_metrics(*evaluate.features(ext, images.split(40), "cpu"), ref)
     assert same["fid"] == pytest.approx(0, abs=1e-4)
     assert same["precision"] == same["recall"] == 1.0  # every point lies in its own k-NN ball
     assert 1 <= same["inception_score"] <= 10
     noise = torch.randint(0, 256, (96, 3, 16, 16), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
-    other = sample.fid_metrics(*sample.features(ext, noise.split(40), "cpu"), ref)
+    other = evaluate.fid_metrics(*evaluate.features(ext, noise.split(40), "cpu"), ref)
     assert other["fid"] > 100 * max(same["fid"], 1e-3) and other["precision"] < 0.5
 
 
@@ -84,11 +85,11 @@ def test_offline_inception_is_one_clear_line(tmp_path, monkeypatch):
         raise urllib.error.URLError("no network")
 
     monkeypatch.setattr(torch.hub, "download_url_to_file", offline)
-    with pytest.raises(sample.EvalError, match=r"offline, place https://\S+weights-inception\S+\.pth at \S+checkpoints"):
-        sample.inception("cpu")
+    with pytest.raises(evaluate.EvalError, match=r"offline, place https://\S+weights-inception\S+\.pth at \S+checkpoints"):
+        evaluate.inception("cpu")
     (tmp_path / "checkpoints" / "weights-inception-2015-12-05-6726825d.pth").write_bytes(b"truncated")
-    with pytest.raises(sample.EvalError, match="is not the Inception weights file"):
-        sample.inception("cpu")
+    with pytest.raises(evaluate.EvalError, match="is not the Inception weights file"):
+        evaluate.inception("cpu")
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +100,7 @@ def run_dir(tmp_path_factory):
 
 
 def test_sample_eval_fid_writes_all_metrics(run_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr(sample, "inception", lambda device: TinyFeatures())
+    monkeypatch.setattr(evaluate, "inception", lambda device: TinyFeatures())
     out = tmp_path / "fid" / "s.png"
     result = sample.main(["--ckpt", str(run_dir / "ema.pt"), "--eval", "fid", "--n", "24", "--batch", "12",
                           "--steps", "3", "--stats_dir", str(tmp_path / "stats"), "--out", str(out)])
@@ -123,7 +124,7 @@ def test_sample_eval_fid_offline_is_one_line(run_dir, tmp_path):
 
 
 def test_training_logs_fid_and_bpd(tmp_path, monkeypatch):
-    monkeypatch.setattr(sample, "inception", lambda device: TinyFeatures())
+    monkeypatch.setattr(evaluate, "inception", lambda device: TinyFeatures())
     tc = tiny_trainer(tmp_path / "run", max_steps=4, eval_every_steps=2, eval_fid_samples=12, eval_sample_steps=2,
                       eval_bpd_images=6, eval_bpd_strata=2, fid_stats_dir=str(tmp_path / "stats"))
     train(tiny_model(), tc, preset="test")
@@ -137,16 +138,16 @@ def test_training_logs_fid_and_bpd(tmp_path, monkeypatch):
 
 def test_training_eval_fails_before_training_when_offline(tmp_path, monkeypatch):
     def offline(device):
-        raise sample.EvalError("cannot download the Inception weights")
+        raise evaluate.EvalError("cannot download the Inception weights")
 
-    monkeypatch.setattr(sample, "inception", offline)
+    monkeypatch.setattr(evaluate, "inception", offline)
     with pytest.raises(ConfigError, match="Inception"):
         train(tiny_model(), tiny_trainer(tmp_path / "run", eval_every_steps=2), preset="test")
     assert not os.path.exists(tmp_path / "run" / "ckpt.pt")
 
 
 def test_the_real_inception_network_runs_offline_with_local_weights(tmp_path, monkeypatch):
-    """torch-fidelity's InceptionV3 through sample.inception, from a weights file placed where the offline
+    """torch-fidelity's InceptionV3 through evaluate.inception, from a weights file placed where the offline
     message says (random weights here: no download), on CIFAR-sized uint8 images."""
     fe = pytest.importorskip("torch_fidelity.feature_extractor_inceptionv3")
     with monkeypatch.context() as m:  # build the network once without weights, to write a file of the right shape
@@ -157,8 +158,8 @@ def test_the_real_inception_network_runs_offline_with_local_weights(tmp_path, mo
     path.parent.mkdir()
     torch.save(net.state_dict(), path)
     monkeypatch.setattr(torch.hub, "get_dir", lambda: str(tmp_path))
-    extractor = sample.inception("cpu")
+    extractor = evaluate.inception("cpu")
     assert extractor.name == "inception-v3-compat"
     images = torch.randint(0, 256, (3, 3, 32, 32), dtype=torch.uint8)
-    feats, logits = sample.features(extractor, [images[:2], images[2:]], "cpu")
+    feats, logits = evaluate.features(extractor, [images[:2], images[2:]], "cpu")
     assert feats.shape == (3, 2048) and logits.shape == (3, 1008) and torch.isfinite(feats).all()

@@ -16,6 +16,7 @@ from conftest import ROOT, TINY_ARGS, tiny_model, tiny_trainer
 import benchmark
 import data
 import ddpm
+import evaluate
 import sample
 from ddpm import BOUNDS, ConfigError, ModelConfig, TrainerConfig, TrainingError, parse_args, train
 
@@ -288,7 +289,7 @@ def test_a_damaged_fid_statistics_cache_is_one_line(tmp_path):
     path = tmp_path / (data.beton_name("shapes", "", 16, 64, True).replace(".beton", "-fake.npz"))
     np.savez(path, **ref)
     extractor = type("fake", (), {"name": "fake"})()
-    assert sample.reference_stats(extractor, "shapes", "", 16, 64, "cpu", cache_dir=str(tmp_path))["n"] == 2
+    assert evaluate.reference_stats(extractor, "shapes", "", 16, 64, "cpu", cache_dir=str(tmp_path))["n"] == 2
     path.write_bytes(path.read_bytes()[:100])
-    with pytest.raises(sample.EvalError, match="not readable FID reference statistics"):
-        sample.reference_stats(extractor, "shapes", "", 16, 64, "cpu", cache_dir=str(tmp_path))
+    with pytest.raises(evaluate.EvalError, match="not readable FID reference statistics"):
+        evaluate.reference_stats(extractor, "shapes", "", 16, 64, "cpu", cache_dir=str(tmp_path))
