@@ -89,7 +89,7 @@ def time_steps(mc, row, batch, device, images, labels, beton, warmup, iters):
             x0, y = loader.next()
             _, _, ok = ddpm.train_step(forward, diffusion, opt, x0, y, row["precision"], 1.0,
                                        channels_last=row["channels_last"])
-            ddpm.ema_update(ema, model, 0.9999, ok)  # as train() calls it
+            ddpm.ema_update(ema, model, ddpm.TrainerConfig.ema_decay, ok)  # as train() calls it
             if i >= warmup:
                 timer.stop()
     ms = statistics.median(timer.read_ms())  # note: a sync point
@@ -121,6 +121,22 @@ def largest_batch(mc, row, device, images, labels, start, limit):
     if best is None:
         raise RuntimeError(f"even batch {start} does not fit in memory")
     return best
+
+
+@torch.random.fork_rng(devices=[])  # building a model must not move the training RNG (exact resume)
+def torchinfo_flops_per_image(mc):
+    """The reference repo's estimate: torchinfo's forward mult-adds x 2 FLOPs x 3 (forward + backward).
+    It sees only nn.Module layers, so it misses the attention matmuls: shown beside the count above.
+    None when torchinfo is not installed."""
+    try:
+        import torchinfo
+    except ImportError:
+        return None
+
+    model = UNet(mc)
+    x = torch.zeros(1, mc.channels, mc.image_size, mc.image_size)
+    stats = torchinfo.summary(model, input_data=[x, torch.zeros(1, dtype=torch.long)], verbose=0, device="cpu")
+    return stats.total_mult_adds * 2 * 3
 
 
 def main(argv=None):
@@ -220,10 +236,10 @@ def main(argv=None):
                     images, labels, _ = data.shapes(batch * (warmup + iters), mc.image_size)
                 beton = None
                 if cfg["loader"] == "ffcv":  # the same images as a beton, written once per size and reused
-                    beton, _ = data.beton_for("shapes", "", mc.image_size, "data/betons", shapes_count=len(images))
+                    beton, _ = data.beton_for("shapes", "", mc.image_size, data.BETON_DIR, shapes_count=len(images))
                 ms, mem = time_steps(mc_row, cfg, batch, device, images, labels, beton, warmup, iters)
             except (RuntimeError, torch.cuda.OutOfMemoryError) as e:  # e.g. a compile mode this torch cannot do here
-                reason = f"failed: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
+                reason = f"failed: {type(e).__name__}: {data.first_line(e)[:200]}"
                 print(f"{name}: {reason}")
                 rows.append({"version": name, "skipped": reason})
                 cfg = prev  # a failed row adds nothing, as a skipped one
@@ -231,7 +247,7 @@ def main(argv=None):
                 continue
             free_memory(device)
             flops = ddpm.train_flops_per_image(mc_row) * batch
-            info = ddpm.torchinfo_flops_per_image(mc_row)
+            info = torchinfo_flops_per_image(mc_row)
             dtype = torch.bfloat16 if cfg["precision"] == "bf16" else torch.float32
             sheet = ddpm.datasheet_peak(device, cfg["precision"])
             measured = ddpm.measure_matmul_flops(device, dtype)

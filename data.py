@@ -31,6 +31,15 @@ IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".
 SHAPE_CLASSES = ("circle", "square", "triangle", "diamond")  # label order of the 'shapes' dataset
 
 
+SHAPES_COUNT = 50_000  # images in the built-in 'shapes' dataset, unless told otherwise (TrainerConfig.shapes_count)
+BETON_DIR = "data/betons"  # where betons are cached, unless told otherwise (TrainerConfig.beton_dir)
+
+
+def first_line(e):
+    """An exception's message, first line only (possibly empty): for the one-line errors every CLI prints."""
+    return (str(e).strip().splitlines() or [""])[0]
+
+
 class DataError(Exception):
     """Bad or missing data: reported to the user as one line."""
 
@@ -162,7 +171,7 @@ def shapes(n, image_size, seed=0, chunk=2048):
     return torch.cat(out), torch.cat(labels), len(SHAPE_CLASSES)
 
 
-def load_dataset(name, data_dir, image_size, shapes_count=50_000, train=True):
+def load_dataset(name, data_dir, image_size, shapes_count=SHAPES_COUNT, train=True):
     """-> (images (N, 3, H, W) uint8, labels (N,) int64, num_classes)."""
     if name == "cifar10":
         return cifar10(data_dir, image_size, train)
@@ -273,7 +282,7 @@ def beton_name(dataset, data_dir, image_size, shapes_count, train):
     return name + ".beton"
 
 
-def beton_for(dataset, data_dir, image_size, beton_dir, shapes_count=50_000, train=True):
+def beton_for(dataset, data_dir, image_size, beton_dir, shapes_count=SHAPES_COUNT, train=True):
     """-> (path of a finished .beton, num_classes), writing it first if it is not cached yet."""
     path = os.path.join(beton_dir, beton_name(dataset, data_dir, image_size, shapes_count, train))
     meta = read_meta(path)
@@ -542,7 +551,7 @@ class DataLoaderAdapter:
 
 
 def make_loader(kind, dataset, data_dir, image_size, batch_size, seed, device, *, hflip=True, with_labels=False,
-                shapes_count=50_000, beton_dir="data/betons", num_workers=2):
+                shapes_count=SHAPES_COUNT, beton_dir=BETON_DIR, num_workers=2):
     """-> (loader, num_classes). kind 'ffcv' reads a cached .beton; 'torch', or 'ffcv' when ffcv cannot
     be imported (said in one warning line), gathers from uint8 tensors in memory; 'resident' keeps
     them on the device."""
@@ -561,7 +570,7 @@ def make_loader(kind, dataset, data_dir, image_size, batch_size, seed, device, *
 # python data.py --dataset ... --out PATH.beton   |   python data.py --bench --data_dir FOLDER
 
 
-def bench(folder, image_size=32, batch_size=512, num_workers=2, epochs=3, beton_dir="data/betons"):
+def bench(folder, image_size=32, batch_size=512, num_workers=2, epochs=3, beton_dir=BETON_DIR):
     """Images/s of FFCV against the torch DataLoader on the same images, augmentation and workers.
 
     Each loader runs `epochs` epochs; the first (worker start-up, FFCV's numba JIT) is reported
@@ -619,7 +628,7 @@ def main(argv=None):
     p.add_argument("--data_dir", default="data", help="download folder (cifar10) or image folder (folder)")
     p.add_argument("--image_size", type=int, default=32, help="pixels; images are resized and centre-cropped to it")
     p.add_argument("--split", choices=["train", "test"], default="train")
-    p.add_argument("--shapes_count", type=int, default=50_000, help="images in the built-in shapes dataset")
+    p.add_argument("--shapes_count", type=int, default=SHAPES_COUNT, help="images in the built-in shapes dataset")
     p.add_argument("--out", help="the .beton to write")
     p.add_argument("--bench", action="store_true", help="compare FFCV with the torch DataLoader on --data_dir (a folder)")
     p.add_argument("--batch_size", type=int, default=512)

@@ -39,7 +39,8 @@ import torch.nn.functional as F
 import diffusers_io
 import evaluate
 import unet
-from data import DataError, make_loader
+import data
+from data import DataError, first_line, make_loader
 from unet import UNet
 
 # -----------------------------------------------------------------------------
@@ -79,9 +80,9 @@ class ModelConfig:  # the network and the diffusion process
 class TrainerConfig:  # the run
     dataset: Literal["cifar10", "folder", "shapes"] = "cifar10"  # training data; 'shapes' is built in and offline
     data_dir: str = "data"                              # download folder ('cifar10') or the image folder ('folder')
-    shapes_count: int = 50_000                          # images in the built-in 'shapes' dataset
+    shapes_count: int = data.SHAPES_COUNT               # images in the built-in 'shapes' dataset
     loader: Literal["ffcv", "torch", "resident"] = "ffcv"  # FFCV from a cached .beton; gathers from uint8 tensors in host memory; or on the device
-    beton_dir: str = "data/betons"                      # where .beton files are written once and reused
+    beton_dir: str = data.BETON_DIR                     # where .beton files are written once and reused
     fid_stats_dir: str = "data/fid_stats"               # where the training set's FID reference statistics are cached
     num_workers: int = 2                                # FFCV loader threads
     batch_size: int = 128                               # global batch size, images per optimizer step
@@ -743,22 +744,6 @@ def train_flops_per_image(mc, attention="sdpa"):
     return counter.get_total_flops()
 
 
-@torch.random.fork_rng(devices=[])  # building a model must not move the training RNG (exact resume)
-def torchinfo_flops_per_image(mc):
-    """The reference repo's estimate: torchinfo's forward mult-adds x 2 FLOPs x 3 (forward + backward).
-    It sees only nn.Module layers, so it misses the attention matmuls: shown beside the count above.
-    None when torchinfo is not installed."""
-    try:
-        import torchinfo
-    except ImportError:
-        return None
-
-    model = UNet(mc)
-    x = torch.zeros(1, mc.channels, mc.image_size, mc.image_size)
-    stats = torchinfo.summary(model, input_data=[x, torch.zeros(1, dtype=torch.long)], verbose=0, device="cpu")
-    return stats.total_mult_adds * 2 * 3
-
-
 def mfu(flops_per_step, step_seconds, peak):
     """Model FLOPs utilisation = (FLOPs per step / seconds per step) / peak FLOP/s.
 
@@ -807,6 +792,14 @@ class StepTimer:
 
 def autocast(device, precision):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+
+
+def autocast_model(model, device, precision):
+    """model(z, t, y) under autocast: the callable the samplers are given, in training and in sample.py."""
+    def net(z, t, y=None):
+        with autocast(device, precision):
+            return model(z, t, y)
+    return net
 
 
 def set_matmul_precision(precision):
@@ -937,7 +930,7 @@ def load_checkpoint(path, device):
     try:
         return torch.load(path, map_location=device, weights_only=True)
     except Exception as e:  # truncated, corrupt, or not a torch file
-        raise ConfigError(f"cannot read checkpoint {path} ({type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]})") from None
+        raise ConfigError(f"cannot read checkpoint {path} ({type(e).__name__}: {first_line(e)})") from None
 
 
 def load_ema(path, device):
@@ -967,7 +960,7 @@ def load_ema(path, device):
         model = UNet(mc).to(device)
         model.load_state_dict(state)
     except (TypeError, RuntimeError) as e:
-        first = (str(e).strip().splitlines() or [""])[0]
+        first = first_line(e)
         raise ConfigError(f"{path}: its weights do not match its model config ({first})") from None
     return model.eval().requires_grad_(False), mc, ckpt.get("trainer_config", {})
 
@@ -984,7 +977,7 @@ def atomic_save(obj, path, keep_previous=False):
     except (OSError, RuntimeError) as e:  # torch.save reports some write failures as RuntimeError
         with contextlib.suppress(OSError):
             os.remove(tmp)
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else (str(e).strip().splitlines() or [""])[0]
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else first_line(e)
         raise TrainingError(f"could not write {path} ({reason}); the previous checkpoint is intact") from None
     if keep_previous and os.path.exists(path):
         os.replace(path, previous_path(path))
@@ -1037,7 +1030,7 @@ def resolve_device(name):
     try:  # any other missing device (mps on a machine without it, cuda:7 of 1 GPU) fails here, not mid-run
         torch.empty(1, device=device)
     except (RuntimeError, AssertionError, ValueError) as e:
-        raise ConfigError(f"--device={name}: not available here ({(str(e).strip().splitlines() or [''])[0]})") from None
+        raise ConfigError(f"--device={name}: not available here ({first_line(e)})") from None
     return device
 
 
@@ -1227,6 +1220,45 @@ def restore(ckpt, path, mc, model, ema, opt, loader, world):
 # Training
 
 
+def due(every, step):
+    """An interval setting's test: every > 0 steps, and this step is one of them (0 = never)."""
+    return every > 0 and step % every == 0
+
+
+class Tally:
+    """One log interval's loss sums and skipped steps, accumulated on the device: no host sync per step."""
+
+    def __init__(self, device):
+        self.sums = torch.zeros(10, device=device)  # [loss, steps, 4 x loss per t quartile, 4 x samples per quartile]
+        self.loss, self.steps, self.q_loss, self.q_count = self.sums[0], self.sums[1], self.sums[2:6], self.sums[6:10]
+        self.skipped = torch.zeros((), device=device)  # steps skipped in this interval
+        self.run = torch.zeros((), device=device)  # the current run of skipped steps
+        self.longest = torch.zeros((), device=device)  # the longest run in this interval
+
+    def add(self, loss, losses, quartile, ok):
+        good = ok > 0  # torch.where, not x * ok: a skipped step's NaN x 0 would still be NaN
+        self.loss += torch.where(good, loss, 0.0)
+        self.steps += ok
+        self.q_loss.index_add_(0, quartile, torch.where(good, losses, 0.0))
+        self.q_count.index_add_(0, quartile, torch.ones_like(losses) * ok)
+        self.skipped += 1 - ok
+        self.run.mul_(1 - ok).add_(1 - ok)  # +1 on a skip, back to 0 on an applied step
+        torch.maximum(self.longest, self.run, out=self.longest)
+
+    def read(self, world):
+        """-> the interval's means and counts (a host sync), and starts the next interval. The longest run of
+        skips carries over: a run that spans two intervals is counted whole."""
+        if world > 1:
+            torch.distributed.all_reduce(self.sums)
+        s, skipped, longest = self.sums.tolist(), int(self.skipped.item()), int(self.longest.item())
+        out = {"loss": s[0] / s[1] if s[1] else None, "skipped": skipped, "longest_run": longest,
+               "loss_q": [s[2 + q] / s[6 + q] if s[6 + q] else None for q in range(4)]}
+        self.sums.zero_()
+        self.skipped.zero_()
+        self.longest.copy_(self.run)
+        return out
+
+
 def train(mc, tc, preset="custom"):
     """Train from scratch or resume; returns the run folder. Fixed sections each step:
     LR -> samples/checkpoint/eval -> forward/backward/step -> EMA -> timing/log -> stop requests.
@@ -1277,7 +1309,7 @@ def train(mc, tc, preset="custom"):
             model.load_state_dict(src.state_dict())
             ema.load_state_dict(src.state_dict())
         except RuntimeError as e:
-            raise ConfigError(f"--init_from {tc.init_from}: weights do not fit this model ({str(e).splitlines()[0]})") from None
+            raise ConfigError(f"--init_from {tc.init_from}: weights do not fit this model ({first_line(e)})") from None
         differ = [f"{k}={v!r}" for k, v in asdict(src_mc).items() if getattr(mc, k) != v]
         say(f"initialised from {tc.init_from}" + (f" (a model with {', '.join(differ)})" if differ else ""))
     if tc.resume:
@@ -1300,16 +1332,24 @@ def train(mc, tc, preset="custom"):
     flops_per_step = train_flops_per_image(mc, tc.attention) * tc.batch_size
     peak, peak_source = peak_flops(device, precision)
     n_params = sum(p.numel() for p in model.parameters())
-    def ema_model(z, t, y):
-        with autocast(device, precision):
-            return ema(z, t, y)
+
+    # ---- the run's state, then what it does at intervals
+    from tqdm import tqdm
+
+    metrics_path = os.path.join(out_dir, "metrics.jsonl")
+    timer = StepTimer(device)
+    timing_warmup = step + 5  # the first steps after (re)start (compilation, allocator warm-up) stay off the clock
+    tally = Tally(device)  # the log interval's loss sums and skipped steps, on the device
+    skipped_total = ckpt.get("nonfinite_skipped", 0) if tc.resume else 0  # over the whole run, up to this interval
+    start_step, t_start = step, time.time()
 
     def save_samples(step):
         """Each rank draws its share of the grid, rank 0 saves it: no rank idles while another samples."""
         mine = torch.arange(rank, tc.num_samples, world)
         y = (mine % mc.num_classes).to(device) if mc.num_classes > 0 else None
         g = torch.Generator().manual_seed(tc.seed + rank)  # the same noise every time: grids are comparable across steps
-        x = diffusion.sample(ema_model, (len(mine), mc.channels, mc.image_size, mc.image_size),
+        x = diffusion.sample(autocast_model(ema, device, precision),
+                             (len(mine), mc.channels, mc.image_size, mc.image_size),
                              sampler=tc.sampler, steps=tc.sample_steps or None, y=y, guidance=tc.guidance, generator=g)
         x = gather_rows(x, rank, world)
         if lead:
@@ -1327,7 +1367,7 @@ def train(mc, tc, preset="custom"):
         rng = {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if device.type == "cuda" else []}
         state = {"model": model.state_dict(), "ema": ema.state_dict(), "optimizer": opt.state_dict(),
                  "loader": loader.state_dict(), "world_size": world, "step": step, "rng": rng,
-                 "nonfinite_skipped": skipped_total + int(skipped[0].item()),
+                 "nonfinite_skipped": skipped_total + int(tally.skipped.item()),
                  "model_config": asdict(mc), "trainer_config": asdict(tc)}
         atomic_save(state, ckpt_path, keep_previous=True)  # the one before survives as ckpt.prev.pt
         atomic_save({"ema": ema.state_dict(), "model_config": asdict(mc), "trainer_config": asdict(tc), "step": step},
@@ -1338,65 +1378,25 @@ def train(mc, tc, preset="custom"):
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(row) + "\n")
 
-    def log_interval(step, lr, grad_norm):
-        """One metrics.jsonl row, and the interval's only GPU->CPU sync. Under DDP the loss sums are all-reduced."""
-        nonlocal skipped_total
-        if world > 1:
-            torch.distributed.all_reduce(sums)
-        s, (n_skipped, _, longest) = sums.tolist(), skipped.tolist()  # every rank skips the same steps
-        step_ms = statistics.median(timer.read_ms() or [float("nan")])
-        row = {"step": step, "loss": s[0] / s[9] if s[9] else None, "lr": lr,
-               **{f"loss_q{q}": (s[1 + q] / s[5 + q] if s[5 + q] else None) for q in range(4)},
-               "grad_norm": grad_norm.item(), "nonfinite_skipped": int(n_skipped),
-               "step_ms": step_ms, "img_per_s": tc.batch_size / step_ms * 1e3,
-               "tflops": flops_per_step / step_ms / 1e9, "mfu": mfu(flops_per_step, step_ms / 1e3, peak * world),
-               "kimg": step * tc.batch_size / 1e3, "wall_s": time.time() - t_start}
-        row = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
-        log(row)
-        skipped_total += int(n_skipped)
-        sums.zero_()
-        skipped[0], skipped[2] = 0, skipped[1]
-        if longest >= tc.max_nonfinite_steps:
-            raise TrainingError(f"{int(longest)} consecutive steps had a non-finite loss or gradient (up to step {step}), "
-                                f"all skipped; stopping. The checkpoints in {out_dir} hold finite weights from before "
-                                "them: lower --lr or check the data, then --resume")
-        if lead:
-            if row["img_per_s"] is not None and row["loss"] is not None:
-                pbar.set_postfix_str(f"loss {row['loss']:.4f} | {row['img_per_s']:.0f} img/s | "
-                                     f"{row['tflops']:.3f} TFLOP/s | MFU {100 * row['mfu']:.1f}%")
-            elif row["loss"] is not None:
-                pbar.set_postfix_str(f"loss {row['loss']:.4f}")
-
     # ---- the loop
-    from tqdm import tqdm
-
-    metrics_path = os.path.join(out_dir, "metrics.jsonl")
-    timer = StepTimer(device)
-    timing_warmup = step + 5  # the first steps after (re)start (compilation, allocator warm-up) stay off the clock
-    sums = torch.zeros(10, device=device)  # loss, loss per t quartile (4), count per quartile (4), steps: summed on device
-    skipped = torch.zeros(3, device=device)  # skipped steps in this interval, the current run of them, the longest run
-    skipped_total = ckpt.get("nonfinite_skipped", 0) if tc.resume else 0  # over the whole run
     lock = lock_run_folder(out_dir) if lead else None  # one run per folder: a second one is refused here
     preempt = Preemption(world)
-    start_step, t_start = step, time.time()
     pbar = tqdm(total=tc.max_steps, initial=step, dynamic_ncols=True, desc="train", disable=not lead)
     try:
         if lead:
             info = {
                 "preset": preset, "model": asdict(mc), "trainer": asdict(tc),
                 "resolved": {"out_dir": out_dir, "device": str(device), "world_size": world, "precision": precision,
-                             "channels_last": channels_last,
-                             "parameters": n_params, "train_flops_per_image": flops_per_step // tc.batch_size,
-                             "torchinfo_flops_per_image_x3": torchinfo_flops_per_image(mc),
-                             "peak_flops_per_device": peak, "peak_source": peak_source, "dataset_images": loader.n,
-                             "loader": type(loader).__name__},
+                             "channels_last": channels_last, "parameters": n_params,
+                             "train_flops_per_image": flops_per_step // tc.batch_size, "peak_flops_per_device": peak,
+                             "peak_source": peak_source, "dataset_images": loader.n, "loader": type(loader).__name__},
                 "environment": environment(device),
             }
             with open(os.path.join(out_dir, "config.json" if not tc.resume else f"config-resume-{step}.json"), "w") as f:
                 json.dump(info, f, indent=2)
             print(f"{out_dir}: {n_params / 1e6:.2f}M parameters, {loader.n} images ({type(loader).__name__}), "
-                  f"{world} x {device} {precision} {'NHWC' if channels_last else 'NCHW'}, {flops_per_step / tc.batch_size / 1e9:.3g} GFLOP/image fwd+bwd counted "
-                  f"(torchinfo x3 estimate: {(info['resolved']['torchinfo_flops_per_image_x3'] or float('nan')) / 1e9:.3g}), "
+                  f"{world} x {device} {precision} {'NHWC' if channels_last else 'NCHW'}, "
+                  f"{flops_per_step / tc.batch_size / 1e9:.3g} GFLOP/image fwd+bwd counted, "
                   f"MFU against {peak / 1e12:.3g} TFLOP/s per device ({peak_source})")
         if step >= tc.max_steps:
             say(f"note: {out_dir} is at step {step}, which is --max_steps={tc.max_steps} or past it: nothing to train")
@@ -1408,13 +1408,14 @@ def train(mc, tc, preset="custom"):
             for g in opt.param_groups:
                 g["lr"] = lr
 
-            # 2. sample grid, checkpoint, evaluation (off the clock)
-            if step > start_step and (last_step or (tc.ckpt_every_steps and step % tc.ckpt_every_steps == 0)):
-                save_checkpoint(step)  # first: a failure in sampling or evaluation never costs the checkpoint
-            if step > start_step and tc.num_samples and (last_step or (tc.sample_every_steps and step % tc.sample_every_steps == 0)):
+            # 2. checkpoint, sample grid, evaluation (off the clock; the checkpoint first, so that a failure
+            #    in sampling or evaluation never costs it)
+            if step > start_step and (last_step or due(tc.ckpt_every_steps, step)):
+                save_checkpoint(step)
+            if step > start_step and tc.num_samples and (last_step or due(tc.sample_every_steps, step)):
                 save_samples(step)
-            if evaluator and step > start_step and (last_step or step % tc.eval_every_steps == 0):
-                row = {"step": step, **evaluator(ema_model, ema)}
+            if evaluator and step > start_step and (last_step or due(tc.eval_every_steps, step)):
+                row = {"step": step, **evaluator(autocast_model(ema, device, precision), ema)}
                 log(row)
                 say(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
             if last_step:
@@ -1431,20 +1432,31 @@ def train(mc, tc, preset="custom"):
             ema_update(ema, model, ema_decay_at(step, tc) if tc.ema_decay > 0 else 0.0, ok)
             if step >= timing_warmup:
                 timer.stop()
-
-            # 5. accounting on the device, read at log intervals only
-            quartile, good = diffusion.last_t * 4 // mc.timesteps, ok > 0  # where, not x * ok: NaN * 0 is NaN
-            sums[0] += torch.where(good, loss, 0.0)
-            sums[1:5].index_add_(0, quartile, torch.where(good, diffusion.last_losses, 0.0))
-            sums[5:9].index_add_(0, quartile, torch.ones_like(diffusion.last_losses) * ok)
-            sums[9] += ok
-            skipped[0] += 1 - ok
-            skipped[1] = (skipped[1] + 1) * (1 - ok)
-            skipped[2] = torch.maximum(skipped[2], skipped[1])
+            tally.add(loss, diffusion.last_losses, diffusion.last_t * 4 // mc.timesteps, ok)
             step += 1
             pbar.update(1)
-            if step % tc.log_every_steps == 0 or step == tc.max_steps:
-                log_interval(step, lr, grad_norm)
+
+            # 5. log: one metrics.jsonl row per log_every_steps, the interval's only GPU->CPU sync
+            if due(tc.log_every_steps, step) or step == tc.max_steps:
+                t = tally.read(world)  # under DDP the loss sums are all-reduced; every rank skips the same steps
+                step_ms = statistics.median(timer.read_ms() or [float("nan")])
+                row = {"step": step, "loss": t["loss"], "lr": lr, **{f"loss_q{q}": t["loss_q"][q] for q in range(4)},
+                       "grad_norm": grad_norm.item(), "nonfinite_skipped": t["skipped"], "step_ms": step_ms,
+                       "img_per_s": tc.batch_size / step_ms * 1e3, "tflops": flops_per_step / step_ms / 1e9,
+                       "mfu": mfu(flops_per_step, step_ms / 1e3, peak * world),
+                       "kimg": step * tc.batch_size / 1e3, "wall_s": time.time() - t_start}
+                row = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+                log(row)
+                skipped_total += t["skipped"]
+                if t["longest_run"] >= tc.max_nonfinite_steps:
+                    raise TrainingError(f"{t['longest_run']} consecutive steps had a non-finite loss or gradient (up to "
+                                        f"step {step}), all skipped; stopping. The checkpoints in {out_dir} hold finite "
+                                        "weights from before them: lower --lr or check the data, then --resume")
+                if row["loss"] is not None and row["img_per_s"] is not None:
+                    pbar.set_postfix_str(f"loss {row['loss']:.4f} | {row['img_per_s']:.0f} img/s | "
+                                         f"{row['tflops']:.3f} TFLOP/s | MFU {100 * row['mfu']:.1f}%")
+                elif row["loss"] is not None:
+                    pbar.set_postfix_str(f"loss {row['loss']:.4f}")
 
             # 6. a stop request (SIGTERM, SIGINT) ends the run after this step, with a checkpoint
             if preempt.requested():

@@ -15,6 +15,7 @@ import os
 
 import torch
 
+import data
 import unet
 
 WEIGHTS = "diffusion_pytorch_model.safetensors"
@@ -49,7 +50,7 @@ def read_json(path):
         with open(path) as f:
             out = json.load(f)
     except (OSError, ValueError) as e:
-        raise ValueError(f"cannot read {path} ({type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]})") from None
+        raise ValueError(f"cannot read {path} ({type(e).__name__}: {data.first_line(e)})") from None
     if not isinstance(out, dict):
         raise ValueError(f"{path} is not a JSON object")
     return out
@@ -77,7 +78,7 @@ def read_weights(model_dir):
             else:
                 state.update(load_file(path, device="cpu"))
         except Exception as e:  # truncated, corrupt, or not a weights file
-            raise ValueError(f"cannot read {path} ({type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]})") from None
+            raise ValueError(f"cannot read {path} ({type(e).__name__}: {data.first_line(e)})") from None
     return state
 
 

@@ -105,16 +105,13 @@ def main(argv=None):
         try:
             dataset, data_dir = run_data(args, run)
             extractor = evaluate.inception(device)
-            ref = evaluate.reference_stats(extractor, dataset, data_dir, mc.image_size, run.get("shapes_count", 50_000), device,
+            ref = evaluate.reference_stats(extractor, dataset, data_dir, mc.image_size, run.get("shapes_count", ddpm.TrainerConfig.shapes_count), device,
                                   cache_dir=args.stats_dir)
         except evaluate.EvalError as e:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
     precision = ddpm.resolve_precision("auto", device)  # bf16 where the hardware has it, as in training
-
-    def net(z, t, y):
-        with ddpm.autocast(device, precision):
-            return model(z, t, y)
+    net = ddpm.autocast_model(model, device, precision)
 
     if mc.num_classes > 0:
         labels = torch.full((args.n,), args.label) if args.label >= 0 else torch.arange(args.n) % mc.num_classes
@@ -184,7 +181,7 @@ def evaluate_bpd(args, model, mc, run, diffusion, device):
 
     try:
         dataset, data_dir = run_data(args, run)
-        images, labels, _ = data.load_dataset(dataset, data_dir, mc.image_size, run.get("shapes_count", 50_000), train=False)
+        images, labels, _ = data.load_dataset(dataset, data_dir, mc.image_size, run.get("shapes_count", ddpm.TrainerConfig.shapes_count), train=False)
     except (EvalError, data.DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -9,7 +9,7 @@ ALLOWED = {  # what importing each module may load of ours, itself included
     "unet": {"unet"},
     "data": {"data"},
     "evaluate": {"evaluate"},  # handed the model and the Diffusion; never imports ddpm or sample
-    "diffusers_io": {"diffusers_io", "unet"},
+    "diffusers_io": {"diffusers_io", "unet", "data"},
     "ddpm": {"ddpm", "unet", "data", "evaluate", "diffusers_io"},
     "sample": {"sample", "ddpm", "unet", "data", "evaluate", "diffusers_io"},
     "benchmark": {"benchmark", "ddpm", "unet", "data", "evaluate", "diffusers_io"},
