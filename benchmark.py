@@ -3,6 +3,7 @@
     python benchmark.py                          # preset 'seed' on the current device (the reference repo's UNet)
     python benchmark.py --preset ho --json ho.json
     python benchmark.py --device cpu             # a reduced ladder: small batches and iteration counts (~2 min)
+    python benchmark.py --loaders /path/to/cifar10-jpeg/train   # FFCV against the torch DataLoader, img/s
 
 Rows, each adding one change to the row above (a skipped or failed row adds nothing):
   baseline (fp32, batch 128, eager, math attention, NCHW, a typical torch DataLoader) -> scale up batch
@@ -36,6 +37,108 @@ import data
 import ddpm
 from unet import UNet
 
+# -----------------------------------------------------------------------------
+# The baseline's loader, and the loader benchmark (--loaders)
+
+
+def TYPICAL_TRANSFORM():
+    """The per-sample augmentation a typical torchvision pipeline applies."""
+    import torchvision.transforms as T
+
+    return T.Compose([T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize((0.5,) * 3, (0.5,) * 3)])
+
+
+class InMemoryPIL(torch.utils.data.Dataset):
+    """uint8 arrays in memory, one PIL image and transform per sample: what torchvision.datasets.CIFAR10 does."""
+
+    def __init__(self, images, labels):
+        self.x, self.y = images.permute(0, 2, 3, 1).numpy(), labels.tolist()
+        self.transform = TYPICAL_TRANSFORM()
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        from PIL import Image
+
+        return self.transform(Image.fromarray(self.x[i])), self.y[i]
+
+
+class DataLoaderAdapter:
+    """A typical torch DataLoader (shuffle, per-sample transforms, workers, pinned memory) behind the
+    loaders' next() interface: the baseline of benchmark.py."""
+
+    def __init__(self, images, labels, batch_size, device, with_labels=False, num_workers=2):
+        self.device, self.with_labels, self.n = torch.device(device), with_labels, len(images)
+        self.dl = torch.utils.data.DataLoader(InMemoryPIL(images, labels), batch_size=batch_size, shuffle=True,
+                                              num_workers=num_workers, drop_last=True,
+                                              pin_memory=self.device.type == "cuda", persistent_workers=num_workers > 0)
+        self.it = iter(self.dl)
+
+    def next(self):
+        try:
+            x, y = next(self.it)
+        except StopIteration:
+            self.it = iter(self.dl)
+            x, y = next(self.it)
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        return x, (y if self.with_labels else None)
+
+
+
+def loader_bench(folder, image_size=32, batch_size=512, num_workers=2, epochs=3, beton_dir=data.BETON_DIR):
+    """Images/s of FFCV against the torch DataLoader on the same images, augmentation and workers.
+
+    Each loader runs `epochs` epochs; the first (worker start-up, FFCV's numba JIT) is reported
+    apart, the rate is the median of the rest. Every loader ends with [-1, 1] float batches with
+    random horizontal flips, on the CPU.
+    """
+    import time
+
+    import torchvision
+
+    def torch_epochs(ds):
+        dl = torch.utils.data.DataLoader(ds, batch_size=batch_size, shuffle=True, num_workers=num_workers, drop_last=True)
+        return [timed(lambda: iter(dl), len(dl)) for _ in range(epochs)]
+
+    def ours_epochs(loader):
+        per_epoch = loader.n // loader.batch_size
+        return [timed(lambda: (loader.next() for _ in range(per_epoch)), per_epoch) for _ in range(epochs)]
+
+    def timed(make_iter, n_batches):
+        t = time.perf_counter()
+        for _ in make_iter():
+            pass
+        return n_batches * batch_size / (time.perf_counter() - t)
+
+    t = time.perf_counter()
+    images, labels, _ = data.image_folder(folder, image_size)
+    print(f"decoded {len(images)} images in {time.perf_counter() - t:.1f} s")
+    t = time.perf_counter()
+    path, _ = data.beton_for("folder", folder, image_size, beton_dir)
+    print(f"beton ready in {time.perf_counter() - t:.1f} s: {path}")
+    rows = {
+        "torch DataLoader, ImageFolder (JPEG decode + per-sample transforms)":
+            torch_epochs(torchvision.datasets.ImageFolder(folder, transform=TYPICAL_TRANSFORM())),
+        "torch DataLoader, uint8 arrays in memory + per-sample transforms (as torchvision CIFAR10)":
+            torch_epochs(InMemoryPIL(images, labels)),
+        "ddpm Loader (uint8 tensor in memory, batched gather)": ours_epochs(data.Loader(images, labels, batch_size, 0, "cpu")),
+        "ddpm FFCVLoader (.beton, raw pixels)": ours_epochs(data.FFCVLoader(path, batch_size, 0, "cpu", num_workers=num_workers)),
+    }
+    base = statistics.median(rows["torch DataLoader, uint8 arrays in memory + per-sample transforms (as torchvision CIFAR10)"][1:])
+    print(f"\n{len(images)} images {image_size}px, batch {batch_size}, {num_workers} workers, {epochs} epochs each, "
+          f"{os.cpu_count()} CPUs\n")
+    print("| loader | first epoch img/s | img/s (median of later epochs) | vs in-memory DataLoader |\n|---|---|---|---|")
+    for name, rates in rows.items():
+        med = statistics.median(rates[1:])
+        print(f"| {name} | {rates[0]:,.0f} | {med:,.0f} | {med / base:.2f}x |")
+    return rows
+
+
+
+# -----------------------------------------------------------------------------
+# The ladder
+
 # (name, the change it makes to the row above); batch "max" searches the largest batch that fits
 LADDER = [
     ("baseline", dict(precision="fp32", compile=False, compile_mode="default", attention="math", channels_last=False,
@@ -64,7 +167,7 @@ def build(mc, row, batch, device, images, labels, beton):
     forward = ddpm.compiled(model, tc)
     with_labels = mc.num_classes > 0
     if row["loader"] == "dataloader":
-        loader = data.DataLoaderAdapter(images, labels, batch, device, with_labels)
+        loader = DataLoaderAdapter(images, labels, batch, device, with_labels)
     elif row["loader"] == "resident":
         loader = data.ResidentLoader(images, labels, batch, 0, device, with_labels=with_labels)
     else:
@@ -153,7 +256,21 @@ def main(argv=None):
     p.add_argument("--cpu_compile", action="store_true", help="also run the torch.compile row on the CPU")
     p.add_argument("--autotune", action="store_true", help="also run the compile max-autotune row (many minutes of compiling)")
     p.add_argument("--json", help="write the rows to this file")
+    p.add_argument("--loaders", metavar="DIR", default="",
+                   help="instead of the ladder: FFCV against the torch DataLoader on an image folder, img/s")
+    p.add_argument("--loader_batch", type=int, default=512, help="--loaders: batch size")
+    p.add_argument("--loader_workers", type=int, default=2, help="--loaders: worker threads/processes")
+    p.add_argument("--epochs", type=int, default=3, help="--loaders: epochs per loader (the first reported apart)")
     args = p.parse_args(argv)
+    if args.loaders:
+        try:
+            for name in ("loader_batch", "loader_workers", "epochs"):
+                if getattr(args, name) < 1:
+                    raise data.DataError(f"--{name} {getattr(args, name)}: must be >= 1")
+            return loader_bench(args.loaders, 32, args.loader_batch, args.loader_workers, args.epochs)
+        except data.DataError as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
     try:
         for name in ("batch", "base_batch", "iters", "warmup", "max_batch", "patch_size"):
             lo = 1 if name in ("max_batch", "patch_size") else 0

@@ -506,50 +506,6 @@ class ResidentLoader(Loader):
         return self.images[idx], self.labels[idx]
 
 
-def TYPICAL_TRANSFORM():
-    """The per-sample augmentation a typical torchvision pipeline applies."""
-    import torchvision.transforms as T
-
-    return T.Compose([T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize((0.5,) * 3, (0.5,) * 3)])
-
-
-class InMemoryPIL(torch.utils.data.Dataset):
-    """uint8 arrays in memory, one PIL image and transform per sample: what torchvision.datasets.CIFAR10 does."""
-
-    def __init__(self, images, labels):
-        self.x, self.y = images.permute(0, 2, 3, 1).numpy(), labels.tolist()
-        self.transform = TYPICAL_TRANSFORM()
-
-    def __len__(self):
-        return len(self.x)
-
-    def __getitem__(self, i):
-        from PIL import Image
-
-        return self.transform(Image.fromarray(self.x[i])), self.y[i]
-
-
-class DataLoaderAdapter:
-    """A typical torch DataLoader (shuffle, per-sample transforms, workers, pinned memory) behind the
-    loaders' next() interface: the baseline of benchmark.py."""
-
-    def __init__(self, images, labels, batch_size, device, with_labels=False, num_workers=2):
-        self.device, self.with_labels, self.n = torch.device(device), with_labels, len(images)
-        self.dl = torch.utils.data.DataLoader(InMemoryPIL(images, labels), batch_size=batch_size, shuffle=True,
-                                              num_workers=num_workers, drop_last=True,
-                                              pin_memory=self.device.type == "cuda", persistent_workers=num_workers > 0)
-        self.it = iter(self.dl)
-
-    def next(self):
-        try:
-            x, y = next(self.it)
-        except StopIteration:
-            self.it = iter(self.dl)
-            x, y = next(self.it)
-        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-        return x, (y if self.with_labels else None)
-
-
 def make_loader(kind, dataset, data_dir, image_size, batch_size, seed, device, *, hflip=True, with_labels=False,
                 shapes_count=SHAPES_COUNT, beton_dir=BETON_DIR, num_workers=2):
     """-> (loader, num_classes). kind 'ffcv' reads a cached .beton; 'torch', or 'ffcv' when ffcv cannot
@@ -570,78 +526,22 @@ def make_loader(kind, dataset, data_dir, image_size, batch_size, seed, device, *
 # python data.py --dataset ... --out PATH.beton   |   python data.py --bench --data_dir FOLDER
 
 
-def bench(folder, image_size=32, batch_size=512, num_workers=2, epochs=3, beton_dir=BETON_DIR):
-    """Images/s of FFCV against the torch DataLoader on the same images, augmentation and workers.
-
-    Each loader runs `epochs` epochs; the first (worker start-up, FFCV's numba JIT) is reported
-    apart, the rate is the median of the rest. Every loader ends with [-1, 1] float batches with
-    random horizontal flips, on the CPU.
-    """
-    import statistics
-    import time
-
-    import torchvision
-
-    def torch_epochs(ds):
-        dl = torch.utils.data.DataLoader(ds, batch_size=batch_size, shuffle=True, num_workers=num_workers, drop_last=True)
-        return [timed(lambda: iter(dl), len(dl)) for _ in range(epochs)]
-
-    def ours_epochs(loader):
-        per_epoch = loader.n // loader.batch_size
-        return [timed(lambda: (loader.next() for _ in range(per_epoch)), per_epoch) for _ in range(epochs)]
-
-    def timed(make_iter, n_batches):
-        t = time.perf_counter()
-        for _ in make_iter():
-            pass
-        return n_batches * batch_size / (time.perf_counter() - t)
-
-    t = time.perf_counter()
-    images, labels, _ = image_folder(folder, image_size)
-    print(f"decoded {len(images)} images in {time.perf_counter() - t:.1f} s")
-    t = time.perf_counter()
-    path, _ = beton_for("folder", folder, image_size, beton_dir)
-    print(f"beton ready in {time.perf_counter() - t:.1f} s: {path}")
-    rows = {
-        "torch DataLoader, ImageFolder (JPEG decode + per-sample transforms)":
-            torch_epochs(torchvision.datasets.ImageFolder(folder, transform=TYPICAL_TRANSFORM())),
-        "torch DataLoader, uint8 arrays in memory + per-sample transforms (as torchvision CIFAR10)":
-            torch_epochs(InMemoryPIL(images, labels)),
-        "ddpm Loader (uint8 tensor in memory, batched gather)": ours_epochs(Loader(images, labels, batch_size, 0, "cpu")),
-        "ddpm FFCVLoader (.beton, raw pixels)": ours_epochs(FFCVLoader(path, batch_size, 0, "cpu", num_workers=num_workers)),
-    }
-    base = statistics.median(rows["torch DataLoader, uint8 arrays in memory + per-sample transforms (as torchvision CIFAR10)"][1:])
-    print(f"\n{len(images)} images {image_size}px, batch {batch_size}, {num_workers} workers, {epochs} epochs each, "
-          f"{os.cpu_count()} CPUs\n")
-    print("| loader | first epoch img/s | img/s (median of later epochs) | vs in-memory DataLoader |\n|---|---|---|---|")
-    for name, rates in rows.items():
-        med = statistics.median(rates[1:])
-        print(f"| {name} | {rates[0]:,.0f} | {med:,.0f} | {med / base:.2f}x |")
-    return rows
-
-
 def main(argv=None):
     import argparse
 
-    p = argparse.ArgumentParser(description="Write FFCV .beton files, or benchmark the loaders.")
+    p = argparse.ArgumentParser(description="Write an FFCV .beton file (with its verified metadata).")
     p.add_argument("--dataset", choices=["cifar10", "folder", "shapes"], default="cifar10")
     p.add_argument("--data_dir", default="data", help="download folder (cifar10) or image folder (folder)")
     p.add_argument("--image_size", type=int, default=32, help="pixels; images are resized and centre-cropped to it")
     p.add_argument("--split", choices=["train", "test"], default="train")
     p.add_argument("--shapes_count", type=int, default=SHAPES_COUNT, help="images in the built-in shapes dataset")
     p.add_argument("--out", help="the .beton to write")
-    p.add_argument("--bench", action="store_true", help="compare FFCV with the torch DataLoader on --data_dir (a folder)")
-    p.add_argument("--batch_size", type=int, default=512)
-    p.add_argument("--num_workers", type=int, default=2)
-    p.add_argument("--epochs", type=int, default=3)
     args = p.parse_args(argv)
     try:
-        for name in ("image_size", "shapes_count", "batch_size", "num_workers", "epochs"):
+        for name in ("image_size", "shapes_count"):
             if getattr(args, name) < 1:
                 raise DataError(f"--{name} {getattr(args, name)}: must be >= 1")
-        if args.bench:
-            bench(args.data_dir, args.image_size, args.batch_size, args.num_workers, args.epochs)
-        elif args.out:
+        if args.out:
             if not ffcv_available():
                 raise DataError("ffcv cannot be imported: run make setup (it needs libturbojpeg0-dev libopencv-dev pkg-config)")
             if os.path.exists(args.out) and not os.path.isfile(args.out):  # before loading any data
@@ -651,7 +551,7 @@ def main(argv=None):
             write_verified_beton(images, labels, num_classes, args.out)
             print(f"wrote {args.out} and {args.out}.json: {len(images)} images, {args.image_size}px")
         else:
-            raise DataError("give --out PATH.beton to write a beton, or --bench")
+            raise DataError("give --out PATH.beton, the beton to write")
     except DataError as e:
         print(f"error: {e}", file=__import__("sys").stderr)
         raise SystemExit(2)

@@ -184,14 +184,15 @@ def test_sample_cli_refuses_before_sampling(tmp_path, capsys, ema_pt, extra, nee
     (["--dataset=shapes", "--image_size=0", "--out=x.beton"], "--image_size 0"),
     (["--dataset=shapes", "--shapes_count=0", "--out=x.beton"], "--shapes_count 0"),
     (["--dataset=shapes", "--shapes_count=8", "--out=/dev/full"], "not a regular file"),
-    (["--bench", "--batch_size=0"], "--batch_size 0"),
 ])
 def test_data_cli_refuses_in_one_line(capsys, argv, needle):
     assert needle in one_line_exit(capsys, data.main, argv)
 
 
 @pytest.mark.parametrize("argv,needle", [(["--iters=-1"], "--iters -1"), (["--batch=-2"], "--batch -2"),
-                                         (["--json=/no/such/folder/x.json"], "cannot write there")])
+                                         (["--json=/no/such/folder/x.json"], "cannot write there"),
+                                         (["--loaders=/no/such/folder"], "does not exist"),
+                                         (["--loaders=.", "--loader_batch=0"], "--loader_batch 0")])
 def test_benchmark_cli_refuses_in_one_line(capsys, argv, needle):
     assert needle in one_line_exit(capsys, benchmark.main, ["--device=cpu", *argv])
 
