@@ -1,8 +1,10 @@
 """The efficiency ladder: training throughput and MFU, one optimisation added per row.
 
-    python benchmark.py                          # preset 'seed' on the current device (the reference repo's UNet)
+    # preset 'seed' on the current device (the reference repo's UNet)
+    python benchmark.py
     python benchmark.py --preset ho --json ho.json
-    python benchmark.py --device cpu             # a reduced ladder: small batches and iteration counts (~2 min)
+    # a reduced ladder: small batches and iteration counts (~2 min)
+    python benchmark.py --device cpu
     python benchmark.py --loaders /path/to/cifar10-jpeg/train   # FFCV against the torch DataLoader, img/s
 
 Rows, each adding one change to the row above (a skipped or failed row adds nothing):
@@ -18,9 +20,9 @@ attention matmuls. MFU = counted FLOP/s / peak: the datasheet peak for the row's
 (A100/H100/H200; fp32 rows use the non-tensor-core fp32 peak) and the matmul rate measured on the
 device in the row's dtype.
 
-Measured (2026-12-02, seed, reduced ladder, medians of 3 runs): on 2 AVX512-BF16 CPU cores SDPA 2.51x and SDPA + bf16
-3.05x the baseline's TFLOP/s; on 2 AVX2 cores SDPA 2.24x and SDPA + channels_last 2.45x. Every result with its
-machine and date is in BENCHMARKS.md.
+Measured (2026-12-02, seed, reduced ladder, medians of 3 runs): on 2 AVX512-BF16 CPU cores SDPA 2.51x and
+SDPA + bf16 3.05x the baseline's TFLOP/s; on 2 AVX2 cores SDPA 2.24x and SDPA + channels_last 2.45x. Every
+result with its machine and date is in BENCHMARKS.md.
 """
 import argparse
 import dataclasses
@@ -49,7 +51,8 @@ def TYPICAL_TRANSFORM():
 
 
 class InMemoryPIL(torch.utils.data.Dataset):
-    """uint8 arrays in memory, one PIL image and transform per sample: what torchvision.datasets.CIFAR10 does."""
+    """uint8 arrays in memory, one PIL image and transform per sample: what torchvision.datasets.CIFAR10
+    does."""
 
     def __init__(self, images, labels):
         self.x, self.y = images.permute(0, 2, 3, 1).numpy(), labels.tolist()
@@ -70,9 +73,10 @@ class DataLoaderAdapter:
 
     def __init__(self, images, labels, batch_size, device, with_labels=False, num_workers=2):
         self.device, self.with_labels, self.n = torch.device(device), with_labels, len(images)
-        self.dl = torch.utils.data.DataLoader(InMemoryPIL(images, labels), batch_size=batch_size, shuffle=True,
-                                              num_workers=num_workers, drop_last=True,
-                                              pin_memory=self.device.type == "cuda", persistent_workers=num_workers > 0)
+        self.dl = torch.utils.data.DataLoader(InMemoryPIL(images, labels), batch_size=batch_size,
+                                              shuffle=True, num_workers=num_workers, drop_last=True,
+                                              pin_memory=self.device.type == "cuda",
+                                              persistent_workers=num_workers > 0)
         self.it = iter(self.dl)
 
     def next(self):
@@ -98,7 +102,8 @@ def loader_bench(folder, image_size=32, batch_size=512, num_workers=2, epochs=3,
     import torchvision
 
     def torch_epochs(ds):
-        dl = torch.utils.data.DataLoader(ds, batch_size=batch_size, shuffle=True, num_workers=num_workers, drop_last=True)
+        dl = torch.utils.data.DataLoader(ds, batch_size=batch_size, shuffle=True, num_workers=num_workers,
+                                         drop_last=True)
         return [timed(lambda: iter(dl), len(dl)) for _ in range(epochs)]
 
     def ours_epochs(loader):
@@ -122,13 +127,17 @@ def loader_bench(folder, image_size=32, batch_size=512, num_workers=2, epochs=3,
             torch_epochs(torchvision.datasets.ImageFolder(folder, transform=TYPICAL_TRANSFORM())),
         "torch DataLoader, uint8 arrays in memory + per-sample transforms (as torchvision CIFAR10)":
             torch_epochs(InMemoryPIL(images, labels)),
-        "ddpm Loader (uint8 tensor in memory, batched gather)": ours_epochs(data.Loader(images, labels, batch_size, 0, "cpu")),
-        "ddpm FFCVLoader (.beton, raw pixels)": ours_epochs(data.FFCVLoader(path, batch_size, 0, "cpu", num_workers=num_workers)),
+        "ddpm Loader (uint8 tensor in memory, batched gather)":
+            ours_epochs(data.Loader(images, labels, batch_size, 0, "cpu")),
+        "ddpm FFCVLoader (.beton, raw pixels)":
+            ours_epochs(data.FFCVLoader(path, batch_size, 0, "cpu", num_workers=num_workers)),
     }
-    base = statistics.median(rows["torch DataLoader, uint8 arrays in memory + per-sample transforms (as torchvision CIFAR10)"][1:])
-    print(f"\n{len(images)} images {image_size}px, batch {batch_size}, {num_workers} workers, {epochs} epochs each, "
-          f"{os.cpu_count()} CPUs\n")
-    print("| loader | first epoch img/s | img/s (median of later epochs) | vs in-memory DataLoader |\n|---|---|---|---|")
+    base = statistics.median(
+        rows["torch DataLoader, uint8 arrays in memory + per-sample transforms (as torchvision CIFAR10)"][1:])
+    print(f"\n{len(images)} images {image_size}px, batch {batch_size}, {num_workers} workers, "
+          f"{epochs} epochs each, {os.cpu_count()} CPUs\n")
+    print("| loader | first epoch img/s | img/s (median of later epochs) | vs in-memory DataLoader |\n"
+          "|---|---|---|---|")
     for name, rates in rows.items():
         med = statistics.median(rates[1:])
         print(f"| {name} | {rates[0]:,.0f} | {med:,.0f} | {med / base:.2f}x |")
@@ -141,8 +150,8 @@ def loader_bench(folder, image_size=32, batch_size=512, num_workers=2, epochs=3,
 
 # (name, the change it makes to the row above); batch "max" searches the largest batch that fits
 LADDER = [
-    ("baseline", dict(precision="fp32", compile=False, compile_mode="default", attention="math", channels_last=False,
-                      loader="dataloader", batch="base")),
+    ("baseline", dict(precision="fp32", compile=False, compile_mode="default", attention="math",
+                      channels_last=False, loader="dataloader", batch="base")),
     ("scale up batch", dict(batch="max")),
     ("torch.compile", dict(compile=True)),
     ("PyTorch SDPA", dict(attention="sdpa", batch="max")),
@@ -202,7 +211,8 @@ def time_steps(mc, row, batch, device, images, labels, beton, warmup, iters):
 
 def free_memory(device):
     # a fresh dynamo cache for every row: no recompile limit reached across rows, no batch size marked
-    # dynamic because an earlier row compiled another one, no CUDA-graph pools kept (compiled kernels stay cached)
+    # dynamic because an earlier row compiled another one, no CUDA-graph pools kept (compiled kernels stay
+    # cached)
     torch._dynamo.reset()
     gc.collect()
     if device.type == "cuda":
@@ -238,7 +248,8 @@ def torchinfo_flops_per_image(mc):
 
     model = UNet(mc)
     x = torch.zeros(1, mc.channels, mc.image_size, mc.image_size)
-    stats = torchinfo.summary(model, input_data=[x, torch.zeros(1, dtype=torch.long)], verbose=0, device="cpu")
+    stats = torchinfo.summary(model, input_data=[x, torch.zeros(1, dtype=torch.long)], verbose=0,
+                              device="cpu")
     return stats.total_mult_adds * 2 * 3
 
 
@@ -246,21 +257,27 @@ def main(argv=None):
     p = argparse.ArgumentParser(description="The efficiency ladder with MFU.")
     p.add_argument("--preset", default="seed", choices=list(ddpm.PRESETS))
     p.add_argument("--device", default="auto", help="'auto', 'cuda', 'cpu', ...")
-    p.add_argument("--batch", type=int, default=0, help="batch for the scaled-up rows; 0 = search the largest that fits (GPU)")
+    p.add_argument("--batch", type=int, default=0,
+                   help="batch for the scaled-up rows; 0 = search the largest that fits (GPU)")
     p.add_argument("--base_batch", type=int, default=0, help="baseline batch; 0 = 128 on a GPU, 4 on the CPU")
-    p.add_argument("--iters", type=int, default=0, help="timed iterations per row; 0 = 50 on a GPU, 3 on the CPU")
-    p.add_argument("--warmup", type=int, default=0, help="untimed iterations per row (compilation included); 0 = 10 on a GPU, 1 on the CPU")
+    p.add_argument("--iters", type=int, default=0,
+                   help="timed iterations per row; 0 = 50 on a GPU, 3 on the CPU")
+    p.add_argument("--warmup", type=int, default=0,
+                   help="untimed iterations per row (compilation included); 0 = 10 on a GPU, 1 on the CPU")
     p.add_argument("--max_batch", type=int, default=16384, help="upper limit of the batch search")
     p.add_argument("--skip", default="", help="comma-separated row names to skip, e.g. 'torch.compile'")
-    p.add_argument("--patch_size", type=int, default=2, help="P of the last row, compared with P = 1 at the same width and batch")
+    p.add_argument("--patch_size", type=int, default=2,
+                   help="P of the last row, compared with P = 1 at the same width and batch")
     p.add_argument("--cpu_compile", action="store_true", help="also run the torch.compile row on the CPU")
-    p.add_argument("--autotune", action="store_true", help="also run the compile max-autotune row (many minutes of compiling)")
+    p.add_argument("--autotune", action="store_true",
+                   help="also run the compile max-autotune row (many minutes of compiling)")
     p.add_argument("--json", help="write the rows to this file")
     p.add_argument("--loaders", metavar="DIR", default="",
                    help="instead of the ladder: FFCV against the torch DataLoader on an image folder, img/s")
     p.add_argument("--loader_batch", type=int, default=512, help="--loaders: batch size")
     p.add_argument("--loader_workers", type=int, default=2, help="--loaders: worker threads/processes")
-    p.add_argument("--epochs", type=int, default=3, help="--loaders: epochs per loader (the first reported apart)")
+    p.add_argument("--epochs", type=int, default=3,
+                   help="--loaders: epochs per loader (the first reported apart)")
     args = p.parse_args(argv)
     if args.loaders:
         try:
@@ -302,7 +319,8 @@ def main(argv=None):
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"preset": args.preset, "device": device_name, "torch": torch.__version__,
-                           "date": str(datetime.date.today()), "iters": iters, "warmup": warmup, "rows": rows}, f, indent=2)
+                           "date": str(datetime.date.today()), "iters": iters, "warmup": warmup,
+                           "rows": rows}, f, indent=2)
 
     rows, cfg, scaled_batch, interrupted, name = [], {}, None, False, None
     try:  # a ladder cut short (Ctrl-C, or `timeout -s INT`) still prints the rows it measured
@@ -331,9 +349,11 @@ def main(argv=None):
             prev, cfg = cfg, trial
             if name == "patch_size P":
                 name = f"patch_size {args.patch_size}"
-            mc_row = dataclasses.replace(mc, patch_size=args.patch_size if "patch_size" in cfg else mc.patch_size)
+            mc_row = dataclasses.replace(mc,
+                                         patch_size=args.patch_size if "patch_size" in cfg else mc.patch_size)
             if mc_row.patch_size != mc.patch_size:  # attention resolutions refer to the patched grid
-                mc_row = dataclasses.replace(mc_row, attn_resolutions=tuple(r // mc_row.patch_size for r in mc.attn_resolutions))
+                mc_row = dataclasses.replace(mc_row, attn_resolutions=tuple(r // mc_row.patch_size
+                                                                            for r in mc.attn_resolutions))
                 try:
                     ddpm.validate(mc_row, ddpm.TrainerConfig())
                 except ddpm.ConfigError as e:
@@ -344,7 +364,8 @@ def main(argv=None):
                 if cfg["batch"] == "base":
                     batch = base_batch
                 elif change.get("batch") == "max":
-                    batch = args.batch or (largest_batch(mc_row, cfg, device, images, labels, base_batch, args.max_batch)
+                    batch = args.batch or (largest_batch(mc_row, cfg, device, images, labels, base_batch,
+                                                         args.max_batch)
                                            if gpu else 2 * base_batch)
                     scaled_batch = batch
                 else:
@@ -353,9 +374,11 @@ def main(argv=None):
                     images, labels, _ = data.shapes(batch * (warmup + iters), mc.image_size)
                 beton = None
                 if cfg["loader"] == "ffcv":  # the same images as a beton, written once per size and reused
-                    beton, _ = data.beton_for("shapes", "", mc.image_size, data.BETON_DIR, shapes_count=len(images))
+                    beton, _ = data.beton_for("shapes", "", mc.image_size, data.BETON_DIR,
+                                              shapes_count=len(images))
                 ms, mem = time_steps(mc_row, cfg, batch, device, images, labels, beton, warmup, iters)
-            except (RuntimeError, torch.cuda.OutOfMemoryError) as e:  # e.g. a compile mode this torch cannot do here
+            # e.g. a compile mode this torch cannot do here
+            except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
                 reason = f"failed: {type(e).__name__}: {data.first_line(e)[:200]}"
                 print(f"{name}: {reason}")
                 rows.append({"version": name, "skipped": reason})
@@ -369,27 +392,29 @@ def main(argv=None):
             sheet = ddpm.datasheet_peak(device, cfg["precision"])
             measured = ddpm.measure_matmul_flops(device, dtype)
             row = {"version": name, "batch": batch, "precision": cfg["precision"], "compile": cfg["compile"],
-                   "compile_mode": cfg["compile_mode"], "attention": cfg["attention"], "channels_last": cfg["channels_last"],
-                   "loader": cfg["loader"], "patch_size": mc_row.patch_size,
+                   "compile_mode": cfg["compile_mode"], "attention": cfg["attention"],
+                   "channels_last": cfg["channels_last"], "loader": cfg["loader"],
+                   "patch_size": mc_row.patch_size,
                    "step_ms": ms, "img_per_s": batch / ms * 1e3, "tflops": flops / ms / 1e9,
                    "tflops_torchinfo_x3": info * batch / ms / 1e9 if info else None,
                    "mfu_datasheet": ddpm.mfu(flops, ms / 1e3, sheet) if sheet else None,
                    "datasheet_peak_tflops": sheet / 1e12 if sheet else None,
-                   "mfu_measured": ddpm.mfu(flops, ms / 1e3, measured), "measured_peak_tflops": measured / 1e12,
-                   "peak_mem_gb": mem}
+                   "mfu_measured": ddpm.mfu(flops, ms / 1e3, measured),
+                   "measured_peak_tflops": measured / 1e12, "peak_mem_gb": mem}
             rows.append(row)
-            print(f"{name}: batch {batch}, {ms:.1f} ms/step, {row['img_per_s']:.1f} img/s, {row['tflops']:.3f} TFLOP/s",
-                  flush=True)
+            print(f"{name}: batch {batch}, {ms:.1f} ms/step, {row['img_per_s']:.1f} img/s, "
+                  f"{row['tflops']:.3f} TFLOP/s", flush=True)
             save(rows)  # after every row, so a run cut short by a time limit keeps what it measured
     except KeyboardInterrupt:
         interrupted = True
         print(f"\ninterrupted in the row {name!r}: the table has the rows before it")
 
     save(rows)
-    print("\nMFU (datasheet): fp32 rows against the plain fp32 peak (TF32 off), bf16 rows against the dense bf16 peak; "
-          "MFU (measured matmul): against the best square-matmul rate measured here in the row's dtype.")
-    print("\n| version | batch | ms/step | img/s | TFLOP/s | TFLOP/s (torchinfo x3) | speedup | MFU (datasheet) | "
-          "MFU (measured matmul) | peak mem |\n|---|---|---|---|---|---|---|---|---|---|")
+    print("\nMFU (datasheet): fp32 rows against the plain fp32 peak (TF32 off), bf16 rows against the dense "
+          "bf16 peak; MFU (measured matmul): against the best square-matmul rate measured here in the row's "
+          "dtype.")
+    print("\n| version | batch | ms/step | img/s | TFLOP/s | TFLOP/s (torchinfo x3) | speedup | "
+          "MFU (datasheet) | MFU (measured matmul) | peak mem |\n|---|---|---|---|---|---|---|---|---|---|")
     pct = lambda v: f"{100 * v:.2f}%" if v is not None else "n/a"  # noqa: E731
     for r in rows:
         if "skipped" in r:
@@ -397,8 +422,9 @@ def main(argv=None):
             continue
         info = f"{r['tflops_torchinfo_x3']:.3f}" if r["tflops_torchinfo_x3"] else "n/a"
         mem = f"{r['peak_mem_gb']:.1f} GB" if r["peak_mem_gb"] is not None else "n/a"
-        print(f"| {r['version']} | {r['batch']} | {r['step_ms']:.1f} | {r['img_per_s']:.1f} | {r['tflops']:.3f} | {info} | "
-              f"{r['speedup']:.2f}x | {pct(r['mfu_datasheet'])} | {pct(r['mfu_measured'])} | {mem} |")
+        print(f"| {r['version']} | {r['batch']} | {r['step_ms']:.1f} | {r['img_per_s']:.1f} | "
+              f"{r['tflops']:.3f} | {info} | {r['speedup']:.2f}x | {pct(r['mfu_datasheet'])} | "
+              f"{pct(r['mfu_measured'])} | {mem} |")
     if interrupted:
         sys.exit(130)  # an incomplete ladder is not a success
     return rows

@@ -9,10 +9,12 @@ Three sources, all ending as an (N, 3, H, W) uint8 tensor plus (N,) int64 labels
 - 'folder':  any folder of images; class subfolders become labels, a flat folder is class 0;
 - 'shapes':  a built-in procedural dataset (coloured shapes on striped gradient backgrounds),
              deterministic, any resolution, no download: the offline demo data.
-Training reads them through FFCV from a cached .beton (FFCVLoader) or from memory (Loader).
+Training reads them through FFCV from a cached, verified .beton (FFCVLoader), from host memory
+(Loader), or from device memory with the whole data set on the device (ResidentLoader); all three
+follow one epoch plan, so they give the same batches. `python data.py --out X.beton` writes a beton.
 
 Measured (2026-12-02, 2 CPU cores, CIFAR-10 train): FFCVLoader 78k img/s, 16.9x a typical torch
-DataLoader with per-sample transforms and 2 workers (`python data.py --bench`, BENCHMARKS.md).
+DataLoader with per-sample transforms and 2 workers (`python benchmark.py --loaders`, BENCHMARKS.md).
 """
 import contextlib
 import hashlib
@@ -31,7 +33,8 @@ IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".
 SHAPE_CLASSES = ("circle", "square", "triangle", "diamond")  # label order of the 'shapes' dataset
 
 
-SHAPES_COUNT = 50_000  # images in the built-in 'shapes' dataset, unless told otherwise (TrainerConfig.shapes_count)
+# images in the built-in 'shapes' dataset, unless told otherwise (TrainerConfig.shapes_count)
+SHAPES_COUNT = 50_000
 BETON_DIR = "data/betons"  # where betons are cached, unless told otherwise (TrainerConfig.beton_dir)
 
 
@@ -68,7 +71,8 @@ def cifar10(data_dir, image_size, train=True):
     except Exception as e:  # no network, a partial file, ... : say where the files go
         raise DataError(
             f"could not get CIFAR-10 into '{data_dir}' ({type(e).__name__}: {e}). Put cifar-10-python.tar.gz "
-            f"(https://www.cs.toronto.edu/~kriz/cifar.html) in '{data_dir}', or use --dataset=shapes, which works offline"
+            f"(https://www.cs.toronto.edu/~kriz/cifar.html) in '{data_dir}', or use --dataset=shapes, "
+            "which works offline"
         ) from None
     images = torch.from_numpy(ds.data).permute(0, 3, 1, 2).contiguous()  # (N, 3, 32, 32) uint8
     return resize_center_crop(images, image_size), torch.tensor(ds.targets, dtype=torch.long), 10
@@ -158,13 +162,15 @@ def shapes(n, image_size, seed=0, chunk=2048):
             [
                 torch.sqrt(dx**2 + dy**2) - r,  # circle of radius r
                 torch.maximum(dx.abs(), dy.abs()) - 0.8 * r,  # square
-                torch.stack([dy, 0.866 * dx - 0.5 * dy, -0.866 * dx - 0.5 * dy]).amax(0) - 0.5 * r,  # triangle, apex up
+                # triangle, apex up
+                torch.stack([dy, 0.866 * dx - 0.5 * dy, -0.866 * dx - 0.5 * dy]).amax(0) - 0.5 * r,
                 (dx.abs() + dy.abs()) - 1.15 * r,  # diamond
             ]
         )[label, torch.arange(b)]  # (b, H, W) signed distance, < 0 inside
         alpha = (0.5 - dist * image_size).clamp(0, 1)[:, None]
         hue = u(b, 1, 1)
-        colour = torch.stack([0.5 + 0.5 * torch.cos(2 * math.pi * (hue + k / 3)) for k in range(3)], 1)  # (b, 3, 1, 1)
+        # (b, 3, 1, 1)
+        colour = torch.stack([0.5 + 0.5 * torch.cos(2 * math.pi * (hue + k / 3)) for k in range(3)], 1)
         img = bg * (1 - alpha) + (0.15 + 0.85 * colour) * alpha
         out.append((img.clamp(0, 1) * 255).round().to(torch.uint8))
         labels.append(label)
@@ -238,11 +244,14 @@ def write_beton(images, labels, path, num_workers=2):
     except OSError as e:
         raise DataError(f"cannot write {path} ({e.strerror or e})") from None
     if free < need:
-        raise DataError(f"{folder} has {free / 2**20:.0f} MiB free; the beton needs about {need / 2**20:.0f} MiB")
+        raise DataError(f"{folder} has {free / 2**20:.0f} MiB free; "
+                        f"the beton needs about {need / 2**20:.0f} MiB")
     tmp = f"{path}.tmp-{os.getpid()}"
-    previous = signal.signal(signal.SIGTERM, interrupt) if threading.current_thread() is threading.main_thread() else None
+    previous = (signal.signal(signal.SIGTERM, interrupt)
+                if threading.current_thread() is threading.main_thread() else None)
     try:
-        DatasetWriter(tmp, {"image": field, "label": IntField()}, num_workers=num_workers).from_indexed_dataset(Rows())
+        DatasetWriter(tmp, {"image": field, "label": IntField()},
+                      num_workers=num_workers).from_indexed_dataset(Rows())
         os.replace(tmp, path)
     except OSError as e:
         raise DataError(f"cannot write {path} ({e.strerror or e})") from None
@@ -259,7 +268,8 @@ def interrupt(signum, frame):
 
 
 def checksum(path):
-    """BLAKE2b of the whole file (about 1 s per GB): any changed byte, or another file under the name, shows."""
+    """BLAKE2b of the whole file (about 1 s per GB): any changed byte, or another file under the name,
+    shows."""
     h = hashlib.blake2b(digest_size=16)
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(2**22), b""):
@@ -277,7 +287,8 @@ def beton_name(dataset, data_dir, image_size, shapes_count, train):
         for dirpath, _, names in sorted(os.walk(data_dir)):
             for n in sorted(names):
                 st = os.stat(os.path.join(dirpath, n))
-                h.update(f"{os.path.relpath(os.path.join(dirpath, n), data_dir)}:{st.st_size}:{st.st_mtime_ns}".encode())
+                h.update((f"{os.path.relpath(os.path.join(dirpath, n), data_dir)}:"
+                          f"{st.st_size}:{st.st_mtime_ns}").encode())
         name += f"-{h.hexdigest()[:12]}"
     return name + ".beton"
 
@@ -317,7 +328,8 @@ def read_meta(path):
         with open(path + ".json") as f:
             meta = json.load(f)
     except (OSError, ValueError) as e:
-        raise DataError(f"cannot read {path}.json ({type(e).__name__}); delete it and {path} to rewrite them") from None
+        raise DataError(f"cannot read {path}.json ({type(e).__name__}); "
+                        f"delete it and {path} to rewrite them") from None
     if "blake2b" not in meta:
         print(f"note: {path} has no checksum recorded (an older cache); rewriting it")
         return None
@@ -326,9 +338,12 @@ def read_meta(path):
 
 def verify_beton(path, meta, image_size):
     """The beton is the one its metadata describes: its resolution, its size and every byte."""
-    problem = (f"holds {meta.get('image_size')}px images, not {image_size}px" if meta.get("image_size") != image_size
-               else f"is {os.path.getsize(path)} bytes, not the {meta['bytes']} written" if os.path.getsize(path) != meta.get("bytes")
-               else "does not match the checksum recorded when it was written" if checksum(path) != meta["blake2b"]
+    problem = (f"holds {meta.get('image_size')}px images, not {image_size}px"
+               if meta.get("image_size") != image_size
+               else f"is {os.path.getsize(path)} bytes, not the {meta['bytes']} written"
+               if os.path.getsize(path) != meta.get("bytes")
+               else "does not match the checksum recorded when it was written"
+               if checksum(path) != meta["blake2b"]
                else None)
     if problem:
         raise DataError(f"{path} {problem} (corrupt or replaced): delete it and its .json to rewrite it")
@@ -385,9 +400,12 @@ class Loader:
         self._init_state(len(images), batch_size, seed, device, hflip, with_labels)
 
     def _init_state(self, n, batch_size, seed, device, hflip, with_labels):
-        if batch_size * world_size() > n:  # under torchrun each rank draws from its 1/world share of the images
-            raise DataError(f"the global batch of {batch_size * world_size()} images exceeds the dataset's {n}")
-        self.n, self.batch_size, self.seed, self.hflip, self.with_labels = int(n), batch_size, seed, hflip, with_labels
+        # under torchrun each rank draws from its 1/world share of the images
+        if batch_size * world_size() > n:
+            raise DataError(f"the global batch of {batch_size * world_size()} images "
+                            f"exceeds the dataset's {n}")
+        self.n, self.batch_size, self.seed, self.hflip, self.with_labels = (int(n), batch_size, seed, hflip,
+                                                                            with_labels)
         self.device = torch.device(device)
         self.epoch, self.index = 0, 0
         self._start_epoch()
@@ -447,8 +465,9 @@ class FFCVLoader(Loader):
             with torch_threads_kept():
                 self.ffcv = self._open(path, batch_size, num_workers, device)
         except Exception as e:  # FFCV's own errors on a damaged file are assertions and index errors
-            raise DataError(f"cannot read the beton {path} ({type(e).__name__}: {e}); it is corrupt or truncated: "
-                            f"delete it (and {os.path.basename(path)}.json) and it is written again") from None
+            raise DataError(f"cannot read the beton {path} ({type(e).__name__}: {e}); "
+                            f"it is corrupt or truncated: delete it (and {os.path.basename(path)}.json) "
+                            "and it is written again") from None
         outer = self
 
         class PlanOrder(TraversalOrder):
@@ -468,10 +487,11 @@ class FFCVLoader(Loader):
 
         on_gpu = device.type == "cuda"
         return _FFCV(
-            path, batch_size=batch_size, num_workers=num_workers, order=OrderOption.SEQUENTIAL, drop_last=True,
+            path, batch_size=batch_size, num_workers=num_workers, order=OrderOption.SEQUENTIAL,
+            drop_last=True, os_cache=True,
             # FFCV's distributed mode, under DDP; its per-rank order (a DistributedSampler's) is then replaced
             # by ours, data.shard, which gives every world size the same global batches
-            os_cache=True, distributed=torch.distributed.is_available() and torch.distributed.is_initialized(),
+            distributed=torch.distributed.is_available() and torch.distributed.is_initialized(),
             pipelines={
                 "image": [SimpleRGBImageDecoder(), ToTensor(), ToDevice(device, non_blocking=on_gpu),
                           ToTorchImage(channels_last=True)],
@@ -506,8 +526,8 @@ class ResidentLoader(Loader):
         return self.images[idx], self.labels[idx]
 
 
-def make_loader(kind, dataset, data_dir, image_size, batch_size, seed, device, *, hflip=True, with_labels=False,
-                shapes_count=SHAPES_COUNT, beton_dir=BETON_DIR, num_workers=2):
+def make_loader(kind, dataset, data_dir, image_size, batch_size, seed, device, *, hflip=True,
+                with_labels=False, shapes_count=SHAPES_COUNT, beton_dir=BETON_DIR, num_workers=2):
     """-> (loader, num_classes). kind 'ffcv' reads a cached .beton; 'torch', or 'ffcv' when ffcv cannot
     be imported (said in one warning line), gathers from uint8 tensors in memory; 'resident' keeps
     them on the device."""
@@ -532,9 +552,11 @@ def main(argv=None):
     p = argparse.ArgumentParser(description="Write an FFCV .beton file (with its verified metadata).")
     p.add_argument("--dataset", choices=["cifar10", "folder", "shapes"], default="cifar10")
     p.add_argument("--data_dir", default="data", help="download folder (cifar10) or image folder (folder)")
-    p.add_argument("--image_size", type=int, default=32, help="pixels; images are resized and centre-cropped to it")
+    p.add_argument("--image_size", type=int, default=32,
+                   help="pixels; images are resized and centre-cropped to it")
     p.add_argument("--split", choices=["train", "test"], default="train")
-    p.add_argument("--shapes_count", type=int, default=SHAPES_COUNT, help="images in the built-in shapes dataset")
+    p.add_argument("--shapes_count", type=int, default=SHAPES_COUNT,
+                   help="images in the built-in shapes dataset")
     p.add_argument("--out", help="the .beton to write")
     args = p.parse_args(argv)
     try:
@@ -543,11 +565,12 @@ def main(argv=None):
                 raise DataError(f"--{name} {getattr(args, name)}: must be >= 1")
         if args.out:
             if not ffcv_available():
-                raise DataError("ffcv cannot be imported: run make setup (it needs libturbojpeg0-dev libopencv-dev pkg-config)")
+                raise DataError("ffcv cannot be imported: run make setup "
+                                "(it needs libturbojpeg0-dev libopencv-dev pkg-config)")
             if os.path.exists(args.out) and not os.path.isfile(args.out):  # before loading any data
                 raise DataError(f"{args.out} exists and is not a regular file")
-            images, labels, num_classes = load_dataset(args.dataset, args.data_dir, args.image_size, args.shapes_count,
-                                                       train=args.split == "train")
+            images, labels, num_classes = load_dataset(args.dataset, args.data_dir, args.image_size,
+                                                       args.shapes_count, train=args.split == "train")
             write_verified_beton(images, labels, num_classes, args.out)
             print(f"wrote {args.out} and {args.out}.json: {len(images)} images, {args.image_size}px")
         else:

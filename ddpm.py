@@ -6,9 +6,12 @@
     python ddpm.py --out_dir=runs/x --resume        # continue a run from its ckpt.pt
     python ddpm.py --help                           # every field with its default and meaning
 
-Read top to bottom: the two configs and their presets, the diffusion maths (Diffusion),
-FLOP counting and MFU, the train step shared with benchmark.py, the training loop, the CLI.
-The network itself is in unet.py and knows nothing of the noise schedule; data is in data.py.
+Read top to bottom, in the file's order: the two configs, their presets and validation; the diffusion
+maths (Diffusion: schedule, loss, samplers, bits/dim); FLOP counting and MFU; the train step and the EMA
+update shared with benchmark.py; the run folder (environment, checkpoints, grids, the loss plot, diffusers
+folders via load_ema); scale-out and survival (torchrun/DDP, the run lock, preemption, resume); the training
+loop; the CLI. The network is in unet.py and knows nothing of the noise schedule; data is in data.py; the
+evaluation (FID, bits/dim) in evaluate.py.
 
 Measured (2026-12-03, torch 2.14.1): the demo preset learns recognisable 16x16 shapes in 1 min 45 s on
 2 AVX512-BF16 CPU cores (bf16, 375 img/s); 4 min 35 s in fp32 on 2 AVX2 cores (2026-12-02). No GPU figures
@@ -127,36 +130,44 @@ PRESETS = {
     # Ho et al. 2020, CIFAR-10: 35.7M parameters, the defaults above
     "ho": {},
     # the reference efficiency repo's UNet: narrow, attention everywhere, big batches
-    "seed": dict(base_channels=32, channel_mult=(1, 2, 4, 8), num_res_blocks=2, attn_resolutions=(32, 16, 8, 4),
-                 attn_heads=4, attn_head_dim=32, dropout=0.0, batch_size=3072),
+    "seed": dict(base_channels=32, channel_mult=(1, 2, 4, 8), num_res_blocks=2,
+                 attn_resolutions=(32, 16, 8, 4), attn_heads=4, attn_head_dim=32, dropout=0.0,
+                 batch_size=3072),
     # Luhman & Luhman 2022, from the configurations their public code ships (its README and th_configs.py):
-    # x-prediction with the sqrt_snr weighting, 64-channel heads, attention on the 16x16 and 8x8 patched grids.
-    # They train on --dataset=folder --data_dir=<images>. Not carried over: ADM's learned variance and
+    # x-prediction with the sqrt_snr weighting, 64-channel heads, attention on the 16x16 and 8x8 patched
+    # grids. They train on --dataset=folder --data_dir=<images>. Not carried over: ADM's learned variance and
     # scale-shift norm (this is Ho et al.'s UNet), and FFHQ's custom 'linear0.025' schedule.
-    "lsun-p2": dict(dataset="folder", image_size=256, patch_size=2, base_channels=128, channel_mult=(1, 2, 2, 4, 4),
-                    num_res_blocks=2, attn_resolutions=(16, 8), attn_heads=0, attn_head_dim=64, dropout=0.0,
+    "lsun-p2": dict(dataset="folder", image_size=256, patch_size=2, base_channels=128,
+                    channel_mult=(1, 2, 2, 4, 4), num_res_blocks=2, attn_resolutions=(16, 8),
+                    attn_heads=0, attn_head_dim=64, dropout=0.0,
                     prediction="x", loss_weighting="sqrt_snr", lr=1e-4, batch_size=128),
-    "lsun-p4": dict(dataset="folder", image_size=256, patch_size=4, base_channels=256, channel_mult=(1, 1, 2, 2),
-                    num_res_blocks=2, attn_resolutions=(16, 8), attn_heads=0, attn_head_dim=64, dropout=0.0,
+    "lsun-p4": dict(dataset="folder", image_size=256, patch_size=4, base_channels=256,
+                    channel_mult=(1, 1, 2, 2), num_res_blocks=2, attn_resolutions=(16, 8),
+                    attn_heads=0, attn_head_dim=64, dropout=0.0,
                     prediction="x", loss_weighting="sqrt_snr", lr=1e-4, batch_size=128),
-    "lsun-p8": dict(dataset="folder", image_size=256, patch_size=8, base_channels=256, channel_mult=(1, 1.5, 2),
-                    num_res_blocks=3, attn_resolutions=(16, 8), attn_heads=0, attn_head_dim=64, dropout=0.0,
+    "lsun-p8": dict(dataset="folder", image_size=256, patch_size=8, base_channels=256,
+                    channel_mult=(1, 1.5, 2), num_res_blocks=3, attn_resolutions=(16, 8),
+                    attn_heads=0, attn_head_dim=64, dropout=0.0,
                     prediction="x", loss_weighting="sqrt_snr", lr=1e-4, batch_size=128),
     # ImageNet-256: class-conditional with guidance, split at SNR 0.25 (train --split_part=low and =high)
-    "imagenet-p4": dict(dataset="folder", image_size=256, patch_size=4, base_channels=256, channel_mult=(1, 2, 2, 2),
-                        num_res_blocks=3, attn_resolutions=(16, 8), attn_heads=0, attn_head_dim=64, dropout=0.0,
-                        num_classes=1000, p_uncond=0.1, split_snr=0.25, prediction="x", loss_weighting="sqrt_snr",
-                        lr=1e-4, batch_size=128, guidance=1.5),
-    "ffhq-p4": dict(dataset="folder", image_size=1024, patch_size=4, base_channels=128, channel_mult=(1, 2, 2, 4, 4, 4),
-                    num_res_blocks=2, attn_resolutions=(16, 8), attn_heads=0, attn_head_dim=64, dropout=0.0,
+    "imagenet-p4": dict(dataset="folder", image_size=256, patch_size=4, base_channels=256,
+                        channel_mult=(1, 2, 2, 2), num_res_blocks=3, attn_resolutions=(16, 8),
+                        attn_heads=0, attn_head_dim=64, dropout=0.0,
+                        num_classes=1000, p_uncond=0.1, split_snr=0.25,
+                        prediction="x", loss_weighting="sqrt_snr", lr=1e-4, batch_size=128, guidance=1.5),
+    "ffhq-p4": dict(dataset="folder", image_size=1024, patch_size=4, base_channels=128,
+                    channel_mult=(1, 2, 2, 4, 4, 4), num_res_blocks=2, attn_resolutions=(16, 8),
+                    attn_heads=0, attn_head_dim=64, dropout=0.0,
                     prediction="x", loss_weighting="sqrt_snr", lr=1e-4, batch_size=32),
-    # small enough to learn the built-in shapes at 16x16 on 2 CPU cores in 1.5 (bf16) to 5 (fp32) minutes: 2x2 patches,
-    # v-prediction on the cosine schedule, class labels with guidance, a high LR and small batches
-    "demo": dict(dataset="shapes", image_size=16, patch_size=2, base_channels=64, channel_mult=(1, 2), num_res_blocks=1,
-                 attn_resolutions=(4,), dropout=0.0, num_classes=4, prediction="v", schedule="cosine",
-                 batch_size=32, max_steps=900, lr=2e-3, warmup_steps=100, ema_decay=0.999, compile=False,
-                 log_every_steps=50, sample_every_steps=450, ckpt_every_steps=450, sampler="ddim", sample_steps=50,
-                 guidance=2.0, loader="torch"),  # in-memory shapes: no beton to write inside the 5-minute budget
+    # small enough to learn the built-in shapes at 16x16 on 2 CPU cores in 1.5 (bf16) to 5 (fp32) minutes:
+    # 2x2 patches, v-prediction on the cosine schedule, class labels with guidance, a high LR and small
+    # batches
+    "demo": dict(dataset="shapes", image_size=16, patch_size=2, base_channels=64, channel_mult=(1, 2),
+                 num_res_blocks=1, attn_resolutions=(4,), dropout=0.0, num_classes=4, prediction="v",
+                 schedule="cosine", batch_size=32, max_steps=900, lr=2e-3, warmup_steps=100, ema_decay=0.999,
+                 compile=False, log_every_steps=50, sample_every_steps=450, ckpt_every_steps=450,
+                 sampler="ddim", sample_steps=50, guidance=2.0,
+                 loader="torch"),  # in-memory shapes: no beton to write inside the 5-minute budget
 }
 
 
@@ -176,7 +187,8 @@ def parse_value(name, text, typ):
     try:
         if typing.get_origin(typ) is Literal:
             choices = typing.get_args(typ)
-            if "true" in choices and text.lower() in truthy + falsy:  # e.g. channels_last: auto, true or false
+            # e.g. channels_last: auto, true or false
+            if "true" in choices and text.lower() in truthy + falsy:
                 text = "true" if text.lower() in truthy else "false"
             if text not in choices:
                 raise ValueError(f"choose one of {', '.join(choices)}")
@@ -193,11 +205,12 @@ def parse_value(name, text, typ):
         raise ConfigError(f"--{name}={text}: {e}") from None
 
 
-BOUNDS = {  # the range of every numeric field, [lo, hi) (hi None: no upper bound); validate() adds the relations
+# the range of every numeric field, [lo, hi) (hi None: no upper bound); validate() adds the relations
+BOUNDS = {
     "image_size": (1, None), "channels": (1, None), "patch_size": (1, None), "base_channels": (4, None),
     "num_res_blocks": (1, None), "attn_heads": (0, None), "attn_head_dim": (0, None), "dropout": (0, 1),
-    "num_classes": (0, None), "p_uncond": (0, 1), "timesteps": (2, None), "beta_start": (0, 1), "beta_end": (0, 1),
-    "min_snr_gamma": (1e-12, None), "split_timestep": (0, None), "split_snr": (0, None),
+    "num_classes": (0, None), "p_uncond": (0, 1), "timesteps": (2, None), "beta_start": (0, 1),
+    "beta_end": (0, 1), "min_snr_gamma": (1e-12, None), "split_timestep": (0, None), "split_snr": (0, None),
     "shapes_count": (1, None), "num_workers": (1, None), "batch_size": (1, None), "max_steps": (0, None),
     "lr": (0, None), "warmup_steps": (0, None), "weight_decay": (0, None), "adam_beta1": (0, 1),
     "adam_beta2": (0, 1), "grad_clip": (0, None), "max_nonfinite_steps": (1, None), "ema_decay": (0, 1),
@@ -220,7 +233,8 @@ def validate(mc, tc):
             typ = hints[f.name]
             if typing.get_origin(typ) is Literal:
                 v = getattr(cfg, f.name)
-                check(v in typing.get_args(typ), f"{f.name}='{v}': choose one of {', '.join(typing.get_args(typ))}")
+                check(v in typing.get_args(typ),
+                      f"{f.name}='{v}': choose one of {', '.join(typing.get_args(typ))}")
     for cfg in (mc, tc):  # every number in range, NaN and inf included; relations between fields follow
         for f in dataclasses.fields(cfg):
             v = getattr(cfg, f.name)
@@ -239,7 +253,8 @@ def validate(mc, tc):
     levels = len(mc.channel_mult)
     factor = mc.patch_size * 2 ** (levels - 1)
     check(mc.image_size % factor == 0,
-          f"image_size {mc.image_size} is not divisible by patch_size x 2^(levels-1) = {mc.patch_size} x {2 ** (levels - 1)}")
+          f"image_size {mc.image_size} is not divisible by patch_size x 2^(levels-1) = "
+          f"{mc.patch_size} x {2 ** (levels - 1)}")
     grid = [mc.image_size // mc.patch_size // 2**i for i in range(levels)]
     for r in mc.attn_resolutions:
         check(r in grid, f"attn_resolutions: {r} never occurs; the patched grid has resolutions {grid}")
@@ -247,14 +262,18 @@ def validate(mc, tc):
     check(min(widths) >= 2, f"channel_mult gives widths {widths}: each must be >= 2 channels")
     check(mc.attn_heads or mc.attn_head_dim, "attn_heads=0 needs attn_head_dim > 0")
     if mc.attn_head_dim == 0:
-        check(all(w % mc.attn_heads == 0 for w in widths), f"attn_heads {mc.attn_heads} does not divide the widths {widths}")
+        check(all(w % mc.attn_heads == 0 for w in widths),
+              f"attn_heads {mc.attn_heads} does not divide the widths {widths}")
     if mc.attn_heads == 0:
-        check(all(w % mc.attn_head_dim == 0 for w in widths), f"attn_head_dim {mc.attn_head_dim} does not divide the widths {widths}")
+        check(all(w % mc.attn_head_dim == 0 for w in widths),
+              f"attn_head_dim {mc.attn_head_dim} does not divide the widths {widths}")
     check(0 < mc.beta_start < mc.beta_end < 1, "need 0 < beta_start < beta_end < 1")
     check(0 <= tc.sample_steps <= mc.timesteps, f"sample_steps must lie in [0, timesteps={mc.timesteps}]")
     check(not tc.resume or tc.out_dir, "--resume needs --out_dir, the run folder to continue")
-    check(1 <= tc.eval_sample_steps <= mc.timesteps, f"eval_sample_steps must lie in [1, timesteps={mc.timesteps}]")
-    check(1 <= tc.eval_bpd_strata <= mc.timesteps - 1, f"eval_bpd_strata must lie in [1, timesteps-1={mc.timesteps - 1}]")
+    check(1 <= tc.eval_sample_steps <= mc.timesteps,
+          f"eval_sample_steps must lie in [1, timesteps={mc.timesteps}]")
+    check(1 <= tc.eval_bpd_strata <= mc.timesteps - 1,
+          f"eval_bpd_strata must lie in [1, timesteps-1={mc.timesteps - 1}]")
     check(tc.eval_fid_samples != 1, "eval_fid_samples must be 0 or >= 2 (a covariance needs two samples)")
 
 
@@ -373,7 +392,8 @@ class Diffusion(torch.nn.Module):
         buffers = {
             "betas": betas,                                    # β_t
             "alpha_bar": alpha_bar,                            # ᾱ_t
-            "alpha_bar_prev": torch.cat([torch.ones(1, dtype=torch.float64), alpha_bar[:-1]]),  # ᾱ_{t-1}, ᾱ_0 = 1
+            "alpha_bar_prev": torch.cat([torch.ones(1, dtype=torch.float64),
+                                         alpha_bar[:-1]]),             # ᾱ_{t-1}, ᾱ_0 = 1
             "sqrt_alpha_bar": alpha_bar.sqrt(),                # √ᾱ_t
             "sqrt_one_minus_alpha_bar": (1 - alpha_bar).sqrt(),  # √(1 - ᾱ_t)
             "loss_weight": self._loss_weight(snr),             # w_t multiplying the per-sample MSE
@@ -406,7 +426,8 @@ class Diffusion(torch.nn.Module):
 
     def q_sample(self, x0, t, noise):
         """z_t ~ q(x_t | x_0) = N(√ᾱ_t x_0, (1 - ᾱ_t) I)  (Ho et al. eq. 4)."""
-        return extract(self.sqrt_alpha_bar, t, x0) * x0 + extract(self.sqrt_one_minus_alpha_bar, t, x0) * noise
+        return (extract(self.sqrt_alpha_bar, t, x0) * x0
+                + extract(self.sqrt_one_minus_alpha_bar, t, x0) * noise)
 
     def target(self, x0, noise, t):
         """What the network is trained to output at (x0, noise, t)."""
@@ -414,15 +435,16 @@ class Diffusion(torch.nn.Module):
             return noise
         if self.cfg.prediction == "x":
             return x0
-        return extract(self.sqrt_alpha_bar, t, x0) * noise - extract(self.sqrt_one_minus_alpha_bar, t, x0) * x0  # v
+        return (extract(self.sqrt_alpha_bar, t, x0) * noise
+                - extract(self.sqrt_one_minus_alpha_bar, t, x0) * x0)  # v
 
     def predict_x0_eps(self, out, z, t, threshold="static", percentile=0.995):
         """Network output at (z_t, t) -> (x̂₀, ε̂), using z_t = √ᾱ x₀ + √(1-ᾱ) ε.
 
-        threshold: 'static' clips x̂₀ to [-1, 1]; 'dynamic' is Saharia et al. 2022's dynamic
-        thresholding (per sample, s = max(1, the `percentile` quantile of |x̂₀|), x̂₀ <- clip(x̂₀, -s, s) / s);
-        'none' leaves x̂₀ alone. After thresholding ε̂ is recomputed from x̂₀, so the pair stays
-        consistent with z_t (as in Ho et al.'s and DDIM's samplers).
+        threshold: 'static' clips x̂₀ to [-1, 1]; 'dynamic' is Saharia et al. 2022's dynamic thresholding
+        (per sample, s = max(1, the `percentile` quantile of |x̂₀|), x̂₀ <- clip(x̂₀, -s, s) / s); 'none'
+        leaves x̂₀ alone. After thresholding ε̂ is recomputed from x̂₀, so the pair stays consistent with z_t
+        (as in Ho et al.'s and DDIM's samplers).
         """
         a, s = extract(self.sqrt_alpha_bar, t, z), extract(self.sqrt_one_minus_alpha_bar, t, z)
         if self.cfg.prediction == "eps":
@@ -442,7 +464,8 @@ class Diffusion(torch.nn.Module):
         return x0, (z - a * x0) / s
 
     def loss(self, model, x0, y=None, shard=(0, 1)):
-        """L = mean_b w_t ‖target − model(z_t, t, y)‖² / D, t ~ U{0..T-1}, ε ~ N(0, I) (Ho et al. Algorithm 1).
+        """L = mean_b w_t ‖target − model(z_t, t, y)‖² / D, t ~ U{0..T-1}, ε ~ N(0, I)
+        (Ho et al. Algorithm 1).
 
         Labels are replaced by the null class with probability p_uncond, so one network learns
         both p(x|y) and p(x) for classifier-free guidance (Ho & Salimans 2022).
@@ -454,7 +477,8 @@ class Diffusion(torch.nn.Module):
         """
         rank, world = shard
         B = x0.shape[0] * world
-        t = torch.randint(*self.t_range, (B,), device=x0.device)[rank::world]  # a split expert sees only its own range
+        # a split expert sees only its own range
+        t = torch.randint(*self.t_range, (B,), device=x0.device)[rank::world]
         noise = torch.randn((B, *x0.shape[1:]), device=x0.device, dtype=x0.dtype)[rank::world]
         z = self.q_sample(x0, t, noise)
         if y is not None and self.cfg.p_uncond > 0:
@@ -498,7 +522,8 @@ class Diffusion(torch.nn.Module):
         return sorted({int((lam - v).abs().argmin()) for v in targets}, reverse=True)
 
     def guided(self, model, z, t, y, guidance):
-        """The model output with classifier-free guidance: out_u + w (out_c - out_u) (Ho & Salimans 2022 eq. 6).
+        """The model output with classifier-free guidance: out_u + w (out_c - out_u)
+        (Ho & Salimans 2022 eq. 6).
 
         Every target (ε, x, v) is affine in the output at fixed z_t, so guiding the output
         guides x̂₀ and ε̂ identically. w = 1 is plain conditional sampling: one call, no null pass.
@@ -539,7 +564,8 @@ class Diffusion(torch.nn.Module):
             s = ts[i + 1] if i + 1 < len(ts) else -1  # -1: the clean image, ᾱ = 1
             ab_t, ab_s = alpha_bar[t], (alpha_bar[s] if s >= 0 else 1.0)
             tt = torch.full((shape[0],), t, device=device, dtype=torch.long)
-            x0, eps = self.predict_x0_eps(self.guided(model, z, tt, y, guidance), z, tt, threshold, percentile)
+            x0, eps = self.predict_x0_eps(self.guided(model, z, tt, y, guidance), z, tt, threshold,
+                                          percentile)
             if s < 0:  # the last step lands on x̂₀ for every sampler
                 z = x0
             elif sampler == "ddpm":
@@ -582,7 +608,8 @@ class Diffusion(torch.nn.Module):
 
     @torch.no_grad()
     def bpd_estimate(self, model, x0, y=None, strata=50, threshold="static", generator=None):
-        """The bound of `bpd` from 2·strata + 1 network calls instead of T: -> (bits/dim, standard error), each (B,).
+        """The bound of `bpd` from 2·strata + 1 network calls instead of T: -> (bits/dim, standard error),
+        each (B,).
 
         The KL terms t = 1..T-1 are cut into `strata` contiguous strata of n_k timesteps; two timesteps
         drawn uniformly in each give the stratified estimate Σ_k n_k (L_a + L_b)/2 of their sum, with
@@ -597,7 +624,8 @@ class Diffusion(torch.nn.Module):
         var = torch.zeros_like(nats)
         edges = torch.linspace(1, T, strata + 1).round().long().tolist()
         for lo, hi in zip(edges[:-1], edges[1:]):
-            draws = torch.randint(lo, hi, (2, x0.shape[0]), generator=generator, device=generator.device if generator else "cpu")
+            draws = torch.randint(lo, hi, (2, x0.shape[0]), generator=generator,
+                                  device=generator.device if generator else "cpu")
             a, b = (self._vb_term(model, x0, t.to(x0.device), y, threshold, generator) for t in draws)
             nats += (hi - lo) * (a + b) / 2
             var += (hi - lo) ** 2 * (a - b) ** 2 / 4
@@ -610,17 +638,20 @@ class Diffusion(torch.nn.Module):
         return normal_kl(ab_T**0.5 * x0, 1 - ab_T, 0.0, 1.0).flatten(1).sum(1)
 
     def _vb_term(self, model, x0, t, y, threshold, generator):
-        """L_{t-1} of eq. 5 per image, in nats, at one x_t ~ q(x_t|x_0); t: one timestep for the batch, or (B,)
-        timesteps >= 1, one per image; t = 0 is the decoder L_0."""
+        """L_{t-1} of eq. 5 per image, in nats, at one x_t ~ q(x_t|x_0); t: one timestep for the batch, or
+        (B,) timesteps >= 1, one per image; t = 0 is the decoder L_0."""
         tt = torch.full((x0.shape[0],), t, device=x0.device, dtype=torch.long) if isinstance(t, int) else t
-        noise = torch.randn(x0.shape, generator=generator, device=generator.device if generator else x0.device)
+        noise = torch.randn(x0.shape, generator=generator,
+                            device=generator.device if generator else x0.device)
         z = self.q_sample(x0, tt, noise.to(x0.device, torch.float64))
         x0_hat, _ = self.predict_x0_eps(model(z.float(), tt, y).double(), z, tt, threshold)
         mean_p, _ = self.q_posterior_mean_variance(x0_hat, z, tt)
         if isinstance(t, int) and t == 0:  # the discretised decoder
-            return -discretized_gaussian_log_likelihood(x0, mean_p, self.posterior_variance[1].item()).flatten(1).sum(1)
+            return -discretized_gaussian_log_likelihood(x0, mean_p,
+                                                        self.posterior_variance[1].item()).flatten(1).sum(1)
         mean_q, var_q = self.q_posterior_mean_variance(x0, z, tt)
-        var_p = extract(self.posterior_variance if self.cfg.reverse_variance == "small" else self.betas, tt, x0)
+        var_p = extract(self.posterior_variance if self.cfg.reverse_variance == "small" else self.betas,
+                        tt, x0)
         return normal_kl(mean_q, var_q, mean_p, var_p).flatten(1).sum(1)
 
 
@@ -703,7 +734,8 @@ def _time_matmuls(device, dtype):
 
 
 def cpu_has_bf16():
-    """True where bf16 matmuls run on hardware (AVX512-BF16 or AMX); elsewhere they are emulated, ~100x slower."""
+    """True where bf16 matmuls run on hardware (AVX512-BF16 or AMX); elsewhere they are emulated, ~100x
+    slower."""
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
@@ -841,15 +873,18 @@ def train_step(model, diffusion, opt, x0, y, precision, grad_clip, shard=(0, 1),
     """Forward, backward, clip, AdamW step, all without a host sync. Returns (loss, grad norm, ok) as
     device tensors. A non-finite loss or gradient (on any rank) skips the update: `ok` is then 0, and
     the fused AdamW kernel leaves weights, moments and its step count untouched (its found_inf input)."""
-    torch.compiler.cudagraph_mark_step_begin()  # a new iteration for CUDA graphs (compile_mode reduce-overhead)
-    x0 = x0.contiguous(memory_format=memory_format(channels_last))  # a no-op where the loader's layout is the model's
+    # a new iteration for CUDA graphs (compile_mode reduce-overhead)
+    torch.compiler.cudagraph_mark_step_begin()
+    # a no-op where the loader's layout is the model's
+    x0 = x0.contiguous(memory_format=memory_format(channels_last))
     with autocast(x0.device, precision):
         loss = diffusion.loss(model, x0, y, shard)
     loss.backward()
     params = [p for g in opt.param_groups for p in g["params"]]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
     ok = (torch.isfinite(loss) & torch.isfinite(grad_norm)).float()
-    if shard[1] > 1:  # DDP already agrees on the gradients; this also covers a loss that is inf on one rank only
+    # DDP already agrees on the gradients; this also covers a loss that is inf on one rank only
+    if shard[1] > 1:
         torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN)
     if opt.defaults.get("fused"):
         opt.found_inf = 1 - ok
@@ -924,7 +959,8 @@ def cpu_name():
 
 
 def load_checkpoint(path, device):
-    """torch.load with weights_only=True (a checkpoint can never run code); a bad file is one ConfigError line."""
+    """torch.load with weights_only=True (a checkpoint can never run code); a bad file is one ConfigError
+    line."""
     if not os.path.exists(path):
         raise ConfigError(f"no checkpoint at {path}")
     try:
@@ -934,8 +970,9 @@ def load_checkpoint(path, device):
 
 
 def load_ema(path, device):
-    """-> (UNet with the EMA weights, ModelConfig, the run's TrainerConfig fields or {}), from a run's ckpt.pt or
-    ema.pt, or from a diffusers model or pipeline folder (diffusers_io). Raises ConfigError with one clear line."""
+    """-> (UNet with the EMA weights, ModelConfig, the run's TrainerConfig fields or {}), from a run's ckpt.pt
+    or ema.pt, or from a diffusers model or pipeline folder (diffusers_io). Raises ConfigError with one clear
+    line."""
     if diffusers_io.is_folder(path):
         try:
             fields, state, notes = diffusers_io.read(path)
@@ -1010,7 +1047,8 @@ def plot_losses(metrics_path, png_path):
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="loss")
     for q in range(4):
-        ax.plot([r["step"] for r in rows], [r[f"loss_q{q}"] for r in rows], lw=0.8, alpha=0.7, label=f"t quartile {q}")
+        ax.plot([r["step"] for r in rows], [r[f"loss_q{q}"] for r in rows], lw=0.8, alpha=0.7,
+                label=f"t quartile {q}")
     ax.set(xlabel="step", ylabel="loss", yscale="log", title="training loss")
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -1081,7 +1119,8 @@ class Preemption:
 
     def __init__(self, world):
         self.signal, self.work, self.previous = None, None, {}
-        if threading.current_thread() is threading.main_thread():  # Python delivers signals to the main thread only
+        # Python delivers signals to the main thread only
+        if threading.current_thread() is threading.main_thread():
             self.previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
         self.group = torch.distributed.new_group(backend="gloo") if world > 1 else None
 
@@ -1098,8 +1137,8 @@ class Preemption:
             self.work.wait()
             agreed = bool(self.flag.item())
         self.flag = torch.tensor([float(self.signal is not None)])
-        self.work = torch.distributed.all_reduce(self.flag, op=torch.distributed.ReduceOp.MAX, group=self.group,
-                                                 async_op=True)
+        self.work = torch.distributed.all_reduce(self.flag, op=torch.distributed.ReduceOp.MAX,
+                                                 group=self.group, async_op=True)
         if agreed and self.signal is None:
             self.signal = "a signal to another rank"
         return agreed
@@ -1122,10 +1161,11 @@ HELD_LOCKS = set()  # the tokens of the run-folder locks this process holds
 
 def lock_run_folder(out_dir):
     """One run per folder: out_dir/run.lock names its owner's host and pid, and a second run is refused in one
-    line. A lock left by a run that is gone (same host and that pid no longer alive, or this process's own from
-    a run that already ended) is stale and taken over. -> (path, token) for unlock_run_folder."""
+    line. A lock left by a run that is gone (same host and that pid no longer alive, or this process's own
+    from a run that already ended) is stale and taken over. -> (path, token) for unlock_run_folder."""
     path = os.path.join(out_dir, "run.lock")
-    me = {"host": platform.node(), "pid": os.getpid(), "token": os.urandom(8).hex(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+    me = {"host": platform.node(), "pid": os.getpid(), "token": os.urandom(8).hex(),
+          "since": time.strftime("%Y-%m-%d %H:%M:%S")}
     for _ in range(3):
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
@@ -1136,8 +1176,10 @@ def lock_run_folder(out_dir):
             except (OSError, ValueError):  # being written this instant, or garbage: live if fresh
                 fresh = time.time() - os.path.getmtime(path) < 10 if os.path.exists(path) else False
                 owner = {"host": "?", "pid": "?"} if fresh else {"host": me["host"], "pid": -1}
-            if not (owner.get("host") == me["host"] and not process_alive(owner.get("pid"), owner.get("token"))):
-                raise ConfigError(f"{out_dir} is in use by another run (pid {owner.get('pid')} on {owner.get('host')}, "
+            if not (owner.get("host") == me["host"]
+                    and not process_alive(owner.get("pid"), owner.get("token"))):
+                raise ConfigError(f"{out_dir} is in use by another run "
+                                  f"(pid {owner.get('pid')} on {owner.get('host')}, "
                                   f"since {owner.get('since', '?')}); if that run has ended, delete {path}")
             print(f"note: taking over the stale lock of pid {owner.get('pid')}, which has ended")
             with contextlib.suppress(FileNotFoundError):
@@ -1175,7 +1217,8 @@ def unlock_run_folder(lock):
 
 
 def load_resume_checkpoint(out_dir, device):
-    """The newest readable of ckpt.pt and ckpt.prev.pt; a corrupt or missing newest one is said in one line."""
+    """The newest readable of ckpt.pt and ckpt.prev.pt; a corrupt or missing newest one is said in one
+    line."""
     path = os.path.join(out_dir, "ckpt.pt")
     try:
         return load_checkpoint(path, device), path
@@ -1194,7 +1237,8 @@ def restore(ckpt, path, mc, model, ema, opt, loader, world):
         saved = ckpt["model_config"]
         as_list = lambda v: list(v) if isinstance(v, (tuple, list)) else v  # noqa: E731
         changed = [k for k, v in asdict(mc).items() if as_list(saved.get(k)) != as_list(v)]
-        states = ckpt["model"], ckpt["ema"], ckpt["optimizer"], dict(ckpt["loader"]), ckpt["rng"], ckpt["step"]
+        states = (ckpt["model"], ckpt["ema"], ckpt["optimizer"], dict(ckpt["loader"]), ckpt["rng"],
+                  ckpt["step"])
     except (KeyError, TypeError, AttributeError) as e:
         raise ConfigError(f"{path} is not a resumable ddpm checkpoint (no {e})") from None
     if changed:
@@ -1229,8 +1273,10 @@ class Tally:
     """One log interval's loss sums and skipped steps, accumulated on the device: no host sync per step."""
 
     def __init__(self, device):
-        self.sums = torch.zeros(10, device=device)  # [loss, steps, 4 x loss per t quartile, 4 x samples per quartile]
-        self.loss, self.steps, self.q_loss, self.q_count = self.sums[0], self.sums[1], self.sums[2:6], self.sums[6:10]
+        # [loss, steps, 4 x loss per t quartile, 4 x samples per quartile]
+        self.sums = torch.zeros(10, device=device)
+        self.loss, self.steps, self.q_loss, self.q_count = (self.sums[0], self.sums[1], self.sums[2:6],
+                                                            self.sums[6:10])
         self.skipped = torch.zeros((), device=device)  # steps skipped in this interval
         self.run = torch.zeros((), device=device)  # the current run of skipped steps
         self.longest = torch.zeros((), device=device)  # the longest run in this interval
@@ -1271,8 +1317,8 @@ def train(mc, tc, preset="custom"):
     if lead and precision == "bf16" and device.type == "cpu" and not cpu_has_bf16():
         print("warning: this CPU has no AVX512-BF16/AMX; bf16 will run far slower than --precision=fp32")
     if lead and tc.compile and device.type == "cpu":
-        print("note: torch.compile takes minutes on a CPU and measured no faster than eager there (BENCHMARKS.md); "
-              "--compile=false skips it")
+        print("note: torch.compile takes minutes on a CPU and measured no faster than eager there "
+              "(BENCHMARKS.md); --compile=false skips it")
     set_matmul_precision(precision)
     out_dir = tc.out_dir or os.path.join("runs", f"{preset}-{time.strftime('%Y%m%d-%H%M%S')}")
     ckpt_path = os.path.join(out_dir, "ckpt.pt")
@@ -1280,7 +1326,8 @@ def train(mc, tc, preset="custom"):
     if tc.resume and not have_ckpt:
         raise ConfigError(f"--resume: no checkpoint at {ckpt_path}")
     if not tc.resume and have_ckpt:
-        raise ConfigError(f"{out_dir} already holds a checkpoint: pass --resume to continue it, or choose another --out_dir")
+        raise ConfigError(f"{out_dir} already holds a checkpoint: pass --resume to continue it, "
+                          "or choose another --out_dir")
     if world > 1 and not tc.out_dir:
         raise ConfigError("under torchrun, give --out_dir (every rank must name the same run folder)")
     try:
@@ -1288,13 +1335,16 @@ def train(mc, tc, preset="custom"):
     except OSError as e:  # a path through a file, a read-only place
         raise ConfigError(f"--out_dir={out_dir}: cannot make it ({e.strerror or e})") from None
 
-    loader, data_classes = make_loader(tc.loader, tc.dataset, tc.data_dir, mc.image_size, tc.batch_size // world,
-                                       tc.seed, device, hflip=tc.hflip, with_labels=mc.num_classes > 0,
-                                       shapes_count=tc.shapes_count, beton_dir=tc.beton_dir, num_workers=tc.num_workers)
+    loader, data_classes = make_loader(tc.loader, tc.dataset, tc.data_dir, mc.image_size,
+                                       tc.batch_size // world, tc.seed, device, hflip=tc.hflip,
+                                       with_labels=mc.num_classes > 0, shapes_count=tc.shapes_count,
+                                       beton_dir=tc.beton_dir, num_workers=tc.num_workers)
     if mc.num_classes > 0 and mc.num_classes != data_classes:
-        raise ConfigError(f"num_classes={mc.num_classes}, but dataset '{tc.dataset}' has {data_classes} classes")
+        raise ConfigError(f"num_classes={mc.num_classes}, but dataset '{tc.dataset}' has "
+                          f"{data_classes} classes")
 
-    torch.manual_seed(tc.seed)  # after the data set-up, whose libraries may draw from the global RNG; same on every rank
+    # after the data set-up, whose libraries may draw from the global RNG; same on every rank
+    torch.manual_seed(tc.seed)
     if device.type == "cpu" and tc.cpu_threads:
         torch.set_num_threads(tc.cpu_threads)
     channels_last = resolve_channels_last(tc.channels_last, device, precision)
@@ -1309,7 +1359,8 @@ def train(mc, tc, preset="custom"):
             model.load_state_dict(src.state_dict())
             ema.load_state_dict(src.state_dict())
         except RuntimeError as e:
-            raise ConfigError(f"--init_from {tc.init_from}: weights do not fit this model ({first_line(e)})") from None
+            raise ConfigError(f"--init_from {tc.init_from}: weights do not fit this model "
+                              f"({first_line(e)})") from None
         differ = [f"{k}={v!r}" for k, v in asdict(src_mc).items() if getattr(mc, k) != v]
         say(f"initialised from {tc.init_from}" + (f" (a model with {', '.join(differ)})" if differ else ""))
     if tc.resume:
@@ -1338,19 +1389,23 @@ def train(mc, tc, preset="custom"):
 
     metrics_path = os.path.join(out_dir, "metrics.jsonl")
     timer = StepTimer(device)
-    timing_warmup = step + 5  # the first steps after (re)start (compilation, allocator warm-up) stay off the clock
+    # the first steps after (re)start (compilation, allocator warm-up) stay off the clock
+    timing_warmup = step + 5
     tally = Tally(device)  # the log interval's loss sums and skipped steps, on the device
-    skipped_total = ckpt.get("nonfinite_skipped", 0) if tc.resume else 0  # over the whole run, up to this interval
+    # over the whole run, up to this interval
+    skipped_total = ckpt.get("nonfinite_skipped", 0) if tc.resume else 0
     start_step, t_start = step, time.time()
 
     def save_samples(step):
         """Each rank draws its share of the grid, rank 0 saves it: no rank idles while another samples."""
         mine = torch.arange(rank, tc.num_samples, world)
         y = (mine % mc.num_classes).to(device) if mc.num_classes > 0 else None
-        g = torch.Generator().manual_seed(tc.seed + rank)  # the same noise every time: grids are comparable across steps
+        # the same noise every time: grids are comparable across steps
+        g = torch.Generator().manual_seed(tc.seed + rank)
         x = diffusion.sample(autocast_model(ema, device, precision),
                              (len(mine), mc.channels, mc.image_size, mc.image_size),
-                             sampler=tc.sampler, steps=tc.sample_steps or None, y=y, guidance=tc.guidance, generator=g)
+                             sampler=tc.sampler, steps=tc.sample_steps or None, y=y, guidance=tc.guidance,
+                             generator=g)
         x = gather_rows(x, rank, world)
         if lead:
             save_grid(x, os.path.join(out_dir, f"samples_{step:07d}.png"))
@@ -1360,18 +1415,21 @@ def train(mc, tc, preset="custom"):
     def save_checkpoint(step):
         if not lead:  # written once; the other ranks hold the same state
             return
-        finite = torch.stack([torch.isfinite(p).all() for p in [*model.parameters(), *ema.parameters()]]).all()
-        if not finite.item():  # a sync, once per checkpoint; a finite step can still overflow the weights (huge lr)
-            raise TrainingError(f"the weights are no longer finite at step {step}; {ckpt_path} is left as it was "
-                                "(lower --lr, then --resume)")
-        rng = {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if device.type == "cuda" else []}
+        finite = torch.stack([torch.isfinite(p).all()
+                              for p in [*model.parameters(), *ema.parameters()]]).all()
+        # a sync, once per checkpoint; a finite step can still overflow the weights (huge lr)
+        if not finite.item():
+            raise TrainingError(f"the weights are no longer finite at step {step}; "
+                                f"{ckpt_path} is left as it was (lower --lr, then --resume)")
+        rng = {"torch": torch.get_rng_state(),
+               "cuda": torch.cuda.get_rng_state_all() if device.type == "cuda" else []}
         state = {"model": model.state_dict(), "ema": ema.state_dict(), "optimizer": opt.state_dict(),
                  "loader": loader.state_dict(), "world_size": world, "step": step, "rng": rng,
                  "nonfinite_skipped": skipped_total + int(tally.skipped.item()),
                  "model_config": asdict(mc), "trainer_config": asdict(tc)}
         atomic_save(state, ckpt_path, keep_previous=True)  # the one before survives as ckpt.prev.pt
-        atomic_save({"ema": ema.state_dict(), "model_config": asdict(mc), "trainer_config": asdict(tc), "step": step},
-                    os.path.join(out_dir, "ema.pt"))
+        atomic_save({"ema": ema.state_dict(), "model_config": asdict(mc), "trainer_config": asdict(tc),
+                     "step": step}, os.path.join(out_dir, "ema.pt"))
 
     def log(row):
         if lead:
@@ -1386,20 +1444,24 @@ def train(mc, tc, preset="custom"):
         if lead:
             info = {
                 "preset": preset, "model": asdict(mc), "trainer": asdict(tc),
-                "resolved": {"out_dir": out_dir, "device": str(device), "world_size": world, "precision": precision,
-                             "channels_last": channels_last, "parameters": n_params,
-                             "train_flops_per_image": flops_per_step // tc.batch_size, "peak_flops_per_device": peak,
-                             "peak_source": peak_source, "dataset_images": loader.n, "loader": type(loader).__name__},
+                "resolved": {"out_dir": out_dir, "device": str(device), "world_size": world,
+                             "precision": precision, "channels_last": channels_last, "parameters": n_params,
+                             "train_flops_per_image": flops_per_step // tc.batch_size,
+                             "peak_flops_per_device": peak, "peak_source": peak_source,
+                             "dataset_images": loader.n, "loader": type(loader).__name__},
                 "environment": environment(device),
             }
-            with open(os.path.join(out_dir, "config.json" if not tc.resume else f"config-resume-{step}.json"), "w") as f:
+            with open(os.path.join(out_dir, "config.json" if not tc.resume else f"config-resume-{step}.json"),
+                      "w") as f:
                 json.dump(info, f, indent=2)
-            print(f"{out_dir}: {n_params / 1e6:.2f}M parameters, {loader.n} images ({type(loader).__name__}), "
+            print(f"{out_dir}: {n_params / 1e6:.2f}M parameters, {loader.n} images "
+                  f"({type(loader).__name__}), "
                   f"{world} x {device} {precision} {'NHWC' if channels_last else 'NCHW'}, "
                   f"{flops_per_step / tc.batch_size / 1e9:.3g} GFLOP/image fwd+bwd counted, "
                   f"MFU against {peak / 1e12:.3g} TFLOP/s per device ({peak_source})")
         if step >= tc.max_steps:
-            say(f"note: {out_dir} is at step {step}, which is --max_steps={tc.max_steps} or past it: nothing to train")
+            say(f"note: {out_dir} is at step {step}, which is --max_steps={tc.max_steps} or past it: "
+                "nothing to train")
         while True:
             last_step = step >= tc.max_steps
 
@@ -1417,7 +1479,8 @@ def train(mc, tc, preset="custom"):
             if evaluator and step > start_step and (last_step or due(tc.eval_every_steps, step)):
                 row = {"step": step, **evaluator(autocast_model(ema, device, precision), ema)}
                 log(row)
-                say(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
+                say(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                               for k, v in row.items()))
             if last_step:
                 break
 
@@ -1425,8 +1488,8 @@ def train(mc, tc, preset="custom"):
             if step >= timing_warmup:
                 timer.start()
             x0, y = loader.next()
-            loss, grad_norm, ok = train_step(forward, diffusion, opt, x0, y, precision, tc.grad_clip, (rank, world),
-                                             channels_last)
+            loss, grad_norm, ok = train_step(forward, diffusion, opt, x0, y, precision, tc.grad_clip,
+                                             (rank, world), channels_last)
 
             # 4. EMA
             ema_update(ema, model, ema_decay_at(step, tc) if tc.ema_decay > 0 else 0.0, ok)
@@ -1438,20 +1501,24 @@ def train(mc, tc, preset="custom"):
 
             # 5. log: one metrics.jsonl row per log_every_steps, the interval's only GPU->CPU sync
             if due(tc.log_every_steps, step) or step == tc.max_steps:
-                t = tally.read(world)  # under DDP the loss sums are all-reduced; every rank skips the same steps
+                # under DDP the loss sums are all-reduced; every rank skips the same steps
+                t = tally.read(world)
                 step_ms = statistics.median(timer.read_ms() or [float("nan")])
-                row = {"step": step, "loss": t["loss"], "lr": lr, **{f"loss_q{q}": t["loss_q"][q] for q in range(4)},
+                row = {"step": step, "loss": t["loss"], "lr": lr,
+                       **{f"loss_q{q}": t["loss_q"][q] for q in range(4)},
                        "grad_norm": grad_norm.item(), "nonfinite_skipped": t["skipped"], "step_ms": step_ms,
                        "img_per_s": tc.batch_size / step_ms * 1e3, "tflops": flops_per_step / step_ms / 1e9,
                        "mfu": mfu(flops_per_step, step_ms / 1e3, peak * world),
                        "kimg": step * tc.batch_size / 1e3, "wall_s": time.time() - t_start}
-                row = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+                row = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                       for k, v in row.items()}
                 log(row)
                 skipped_total += t["skipped"]
                 if t["longest_run"] >= tc.max_nonfinite_steps:
-                    raise TrainingError(f"{t['longest_run']} consecutive steps had a non-finite loss or gradient (up to "
-                                        f"step {step}), all skipped; stopping. The checkpoints in {out_dir} hold finite "
-                                        "weights from before them: lower --lr or check the data, then --resume")
+                    raise TrainingError(f"{t['longest_run']} consecutive steps had a non-finite loss or "
+                                        f"gradient (up to step {step}), all skipped; stopping. "
+                                        f"The checkpoints in {out_dir} hold finite weights "
+                                        "from before them: lower --lr or check the data, then --resume")
                 if row["loss"] is not None and row["img_per_s"] is not None:
                     pbar.set_postfix_str(f"loss {row['loss']:.4f} | {row['img_per_s']:.0f} img/s | "
                                          f"{row['tflops']:.3f} TFLOP/s | MFU {100 * row['mfu']:.1f}%")
@@ -1461,7 +1528,8 @@ def train(mc, tc, preset="custom"):
             # 6. a stop request (SIGTERM, SIGINT) ends the run after this step, with a checkpoint
             if preempt.requested():
                 save_checkpoint(step)
-                say(f"stopped by {preempt.signal} after step {step}: checkpoint saved in {out_dir}; continue with --resume")
+                say(f"stopped by {preempt.signal} after step {step}: checkpoint saved in {out_dir}; "
+                    "continue with --resume")
                 return out_dir
     finally:
         preempt.close()

@@ -27,7 +27,8 @@ SCHEDULER_DEFAULTS = dict(  # DDPMScheduler's own defaults (diffusers 0.42), for
 )
 SCHEDULES = {"linear": "linear", "squaredcos_cap_v2": "cosine"}  # diffusers' name -> ours (the same β_t)
 PREDICTIONS = {"epsilon": "eps", "sample": "x", "v_prediction": "v"}
-VARIANCES = {"fixed_small": "small", "fixed_small_log": "small", "fixed_large": "large", "fixed_large_log": "large"}
+VARIANCES = {"fixed_small": "small", "fixed_small_log": "small",
+             "fixed_large": "large", "fixed_large_log": "large"}
 
 
 def is_folder(path):
@@ -36,9 +37,11 @@ def is_folder(path):
 
 def locate(path):
     """-> (the folder with the UNet's config.json, the scheduler_config.json or None)."""
-    model_dir = os.path.join(path, "unet") if os.path.exists(os.path.join(path, "unet", "config.json")) else path
+    model_dir = (os.path.join(path, "unet") if os.path.exists(os.path.join(path, "unet", "config.json"))
+                 else path)
     if not os.path.exists(os.path.join(model_dir, "config.json")):
-        raise ValueError(f"{path} is neither a run's checkpoint nor a diffusers model folder (no config.json)")
+        raise ValueError(f"{path} is neither a run's checkpoint nor a diffusers model folder "
+                         "(no config.json)")
     candidates = [os.path.join(model_dir, SCHEDULER), os.path.join(path, "scheduler", SCHEDULER)]
     if os.path.basename(os.path.normpath(model_dir)) == "unet":  # the unet/ folder of a pipeline
         candidates.append(os.path.join(model_dir, os.pardir, "scheduler", SCHEDULER))
@@ -83,8 +86,9 @@ def read_weights(model_dir):
 
 
 def schedule_fields(sched, path):
-    """scheduler_config.json -> our ModelConfig's diffusion fields; ValueError naming a field we cannot express.
-    Sampling options (timestep spacing, clipping, thresholding) are not part of the model and are not read."""
+    """scheduler_config.json -> our ModelConfig's diffusion fields; ValueError naming a field we cannot
+    express. Sampling options (timestep spacing, clipping, thresholding) are not part of the model and are
+    not read."""
     s = {**SCHEDULER_DEFAULTS, **sched}
 
     def need(ok, field, why):
@@ -96,9 +100,9 @@ def schedule_fields(sched, path):
     need(s["prediction_type"] in PREDICTIONS, "prediction_type", f"one of {', '.join(PREDICTIONS)}")
     need(s["variance_type"] in VARIANCES, "variance_type", "a fixed variance: no learned variance")
     need(not s["rescale_betas_zero_snr"], "rescale_betas_zero_snr", "no zero-terminal-SNR rescaling")
-    return dict(timesteps=s["num_train_timesteps"], schedule=SCHEDULES[s["beta_schedule"]], beta_start=s["beta_start"],
-                beta_end=s["beta_end"], prediction=PREDICTIONS[s["prediction_type"]],
-                reverse_variance=VARIANCES[s["variance_type"]])
+    return dict(timesteps=s["num_train_timesteps"], schedule=SCHEDULES[s["beta_schedule"]],
+                beta_start=s["beta_start"], beta_end=s["beta_end"],
+                prediction=PREDICTIONS[s["prediction_type"]], reverse_variance=VARIANCES[s["variance_type"]])
 
 
 def scheduler_config(mc):
@@ -120,13 +124,14 @@ def read(path):
     if sched_path:
         fields.update(schedule_fields(read_json(sched_path), sched_path))
     else:
-        notes.append(f"{path} has no {SCHEDULER}: assuming Ho et al.'s schedule (linear β 1e-4..0.02, T = 1000, "
-                     "ε-prediction, σ² = β)")
+        notes.append(f"{path} has no {SCHEDULER}: assuming Ho et al.'s schedule "
+                     "(linear β 1e-4..0.02, T = 1000, ε-prediction, σ² = β)")
     return fields, read_weights(model_dir), notes
 
 
 def check(model, path):
-    """ValueError where the model built from read(path)'s fields computes another function than the folder's."""
+    """ValueError where the model built from read(path)'s fields computes another function than the
+    folder's."""
     model_dir, _ = locate(path)
     unet.check_diffusers_config(model, read_json(os.path.join(model_dir, "config.json")))
 
@@ -136,7 +141,8 @@ def write(path, model, mc):
     loadable by UNet2DModel.from_pretrained and DDPMScheduler.from_pretrained."""
     from safetensors.torch import save_file
 
-    config = unet.diffusers_config(model)  # refuses a model diffusers cannot express, before anything is written
+    # refuses a model diffusers cannot express, before anything is written
+    config = unet.diffusers_config(model)
     if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
         raise ValueError(f"{path} exists and is not an empty folder; choose a new one")
     try:

@@ -6,7 +6,8 @@
     TrainingEval(mc, tc, diffusion, device)(net, ema)           # what train() logs every eval_every_steps
 
 A library for sample.py and ddpm.py; it imports neither: it is handed the model callable, the Diffusion and
-the config values it needs. Under torch.distributed every rank does 1/world of the work and sums are all-reduced.
+the config values it needs. Under torch.distributed every rank does 1/world of the work and sums are
+all-reduced.
 """
 import os
 import time
@@ -41,7 +42,8 @@ def inception(device):
             raise EvalError(f"cannot download the Inception weights ({type(e).__name__}); offline, "
                             f"place {URL_INCEPTION_V3} at {path}") from None
     try:
-        torch.load(path, map_location="cpu", weights_only=True)  # a tensors-only file, before the library loads it
+        # a tensors-only file, before the library loads it
+        torch.load(path, map_location="cpu", weights_only=True)
     except Exception:
         raise EvalError(f"{path} is not the Inception weights file: delete it, and place "
                         f"{URL_INCEPTION_V3} there") from None
@@ -52,7 +54,8 @@ def inception(device):
 def distributed():
     import torch.distributed as dist
 
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
+    return ((dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized()
+            else (0, 1))
 
 
 def all_reduce_sum(*tensors):
@@ -61,7 +64,8 @@ def all_reduce_sum(*tensors):
 
     if distributed()[1] == 1:
         return tensors
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl"
+              else torch.device("cpu"))
     out = []
     for t in tensors:
         t = t.to(device)
@@ -104,15 +108,18 @@ def frechet_distance(mu1, sigma1, mu2, sigma2):
 
 
 def reference_stats(extractor, dataset, data_dir, image_size, shapes_count, device, cache_dir, batch=250):
-    """The training set's feature mean and covariance, plus up to REFERENCE_KEEP of its features (precision/recall).
-    Computed once, then read from cache_dir; the file name changes with the data, as a beton's does."""
+    """The training set's feature mean and covariance, plus up to REFERENCE_KEEP of its features
+    (precision/recall). Computed once, then read from cache_dir; the file name changes with the data, as a
+    beton's does."""
     import data
 
     name = data.beton_name(dataset, data_dir, image_size, shapes_count, train=True)
-    path = os.path.join(cache_dir, name.replace(".beton", f"-{getattr(extractor, 'name', type(extractor).__name__)}.npz"))
+    path = os.path.join(
+        cache_dir, name.replace(".beton", f"-{getattr(extractor, 'name', type(extractor).__name__)}.npz"))
     rank, world = distributed()
     (cached,) = all_reduce_sum(torch.tensor(float(os.path.exists(path)), dtype=torch.float64))
-    if cached == world:  # decided together: a rank that skipped the computation would leave the others waiting
+    # decided together: a rank that skipped the computation would leave the others waiting
+    if cached == world:
         try:  # a file on disk may be truncated or someone else's: checked before it is trusted
             with np.load(path) as z:
                 ref = {k: z[k] for k in z.files}
@@ -120,7 +127,8 @@ def reference_stats(extractor, dataset, data_dir, image_size, shapes_count, devi
         except Exception:
             ok = False
         if not ok:
-            raise EvalError(f"{path} is not readable FID reference statistics: delete it and they are computed again")
+            raise EvalError(f"{path} is not readable FID reference statistics: delete it and they are "
+                            "computed again")
         return ref
     try:
         images, _, _ = data.load_dataset(dataset, data_dir, image_size, shapes_count, train=True)
@@ -141,20 +149,22 @@ def reference_stats(extractor, dataset, data_dir, image_size, shapes_count, devi
 
 
 def fid_metrics(gen_feats, gen_logits, ref, prc=True):
-    """FID against `ref`; Inception Score (10 splits) and precision/recall (k = 3) where asked and available."""
+    """FID against `ref`; Inception Score (10 splits) and precision/recall (k = 3) where asked and
+    available."""
     mu, sigma = mean_cov(gen_feats)
     out = {"fid": frechet_distance(mu, sigma, ref["mu"], ref["sigma"])}
     if gen_logits is not None:
         from torch_fidelity.metric_isc import isc_features_to_metric
 
         isc = isc_features_to_metric(gen_logits, splits=10)
-        out.update(inception_score=isc["inception_score_mean"], inception_score_std=isc["inception_score_std"])
+        out.update(inception_score=isc["inception_score_mean"],
+                   inception_score_std=isc["inception_score_std"])
     if prc and len(ref.get("features", ())) > 3:
         from torch_fidelity.metric_prc import prc_features_to_metric
 
         real = torch.from_numpy(ref["features"]).float()
-        m = prc_features_to_metric(gen_feats[: len(real)].float(), real, prc_neighborhood=3, prc_batch_size=10_000,
-                                   save_cpu_ram=False, verbose=False)
+        m = prc_features_to_metric(gen_feats[: len(real)].float(), real, prc_neighborhood=3,
+                                   prc_batch_size=10_000, save_cpu_ram=False, verbose=False)
         out.update(precision=m["precision"], recall=m["recall"], prc_n=min(len(gen_feats), len(real)))
     return out
 
@@ -168,7 +178,8 @@ def held_out_bits(diffusion, model, images, labels, num_classes, device, batch, 
         x0 = images[start : start + batch].to(device).double() / 127.5 - 1
         y = labels[start : start + batch].to(device) if num_classes > 0 else None
         if strata:
-            b, se = diffusion.bpd_estimate(model, x0, y, strata=strata, threshold=threshold, generator=generator)
+            b, se = diffusion.bpd_estimate(model, x0, y, strata=strata, threshold=threshold,
+                                           generator=generator)
             est_var += (se**2).sum().item()
         else:
             b = diffusion.bpd(model, x0, y, threshold=threshold, generator=generator)
@@ -188,8 +199,8 @@ def generate(diffusion, net, n, mc, *, batch, generator, labels=None, **sampler_
     for start in range(0, n, batch):
         b = min(batch, n - start)
         y = labels[start : start + b].to(device) if labels is not None else None
-        yield to_uint8(diffusion.sample(net, (b, mc.channels, mc.image_size, mc.image_size), y=y, generator=generator,
-                                        **sampler_args))
+        yield to_uint8(diffusion.sample(net, (b, mc.channels, mc.image_size, mc.image_size), y=y,
+                                        generator=generator, **sampler_args))
 
 
 class TrainingEval:
@@ -207,11 +218,12 @@ class TrainingEval:
         self.extractor = self.ref = self.held_out = None
         if tc.eval_fid_samples:
             self.extractor = extractor or inception(device)
-            self.ref = reference_stats(self.extractor, tc.dataset, tc.data_dir, mc.image_size, tc.shapes_count, device,
-                                       cache_dir=tc.fid_stats_dir)
+            self.ref = reference_stats(self.extractor, tc.dataset, tc.data_dir, mc.image_size,
+                                       tc.shapes_count, device, cache_dir=tc.fid_stats_dir)
         if tc.eval_bpd_images:
             try:
-                images, labels, _ = data.load_dataset(tc.dataset, tc.data_dir, mc.image_size, tc.shapes_count, train=False)
+                images, labels, _ = data.load_dataset(tc.dataset, tc.data_dir, mc.image_size, tc.shapes_count,
+                                                      train=False)
             except data.DataError as e:
                 raise EvalError(f"held-out images for bits/dim: {e}") from None
             n = min(tc.eval_bpd_images, len(images))
@@ -219,22 +231,23 @@ class TrainingEval:
 
     @torch.no_grad()
     def __call__(self, net, ema):
-        """-> {'fid': ..., 'bpd': ..., ...}: samples from `net` (the EMA model as training runs it, under autocast),
-        the bound from `ema` itself, in fp32."""
+        """-> {'fid': ..., 'bpd': ..., ...}: samples from `net` (the EMA model as training runs it, under
+        autocast), the bound from `ema` itself, in fp32."""
         t0, out, tc, mc = time.time(), {}, self.tc, self.mc
         if self.extractor is not None:
             mine = torch.arange(self.rank, tc.eval_fid_samples, self.world)
             labels = mine % mc.num_classes if mc.num_classes > 0 else None
             g = torch.Generator().manual_seed(tc.seed + 1 + self.rank)
-            batches = generate(self.diffusion, net, len(mine), mc, batch=self.batch, generator=g, labels=labels,
-                               sampler="dpm++", steps=tc.eval_sample_steps, guidance=tc.guidance)
+            batches = generate(self.diffusion, net, len(mine), mc, batch=self.batch, generator=g,
+                               labels=labels, sampler="dpm++", steps=tc.eval_sample_steps,
+                               guidance=tc.guidance)
             feats, _ = features(self.extractor, batches, self.device)
             out["fid"] = fid_metrics(feats, None, self.ref, prc=False)["fid"]
             out["fid_samples"] = tc.eval_fid_samples
         if self.held_out is not None:
             g = torch.Generator().manual_seed(tc.seed + 1 + self.rank)
-            bits, _ = held_out_bits(self.diffusion, ema, *self.held_out, mc.num_classes, self.device, self.batch,
-                                    tc.eval_bpd_strata, generator=g)
+            bits, _ = held_out_bits(self.diffusion, ema, *self.held_out, mc.num_classes, self.device,
+                                    self.batch, tc.eval_bpd_strata, generator=g)
             (total,) = all_reduce_sum(torch.tensor([bits.sum().item(), len(bits)], dtype=torch.float64))
             out["bpd"], out["bpd_images"] = (total[0] / total[1]).item(), int(total[1])
         out["eval_s"] = time.time() - t0

@@ -2,10 +2,14 @@
 
     python sample.py --ckpt runs/demo-.../ema.pt --n 64 --sampler dpm++ --steps 20 --guidance 2 --out grid.png
     python sample.py --ckpt runs/x/ckpt.pt --n 10000 --batch 500 --out samples.png   # writes samples.npz too
-    python sample.py --ckpt runs/x/ema.pt --eval fid --n 50000 --out fid/samples.png  # + FID, IS, precision/recall
-    python sample.py --ckpt runs/x/ema.pt --eval bpd --n 10000 --out bpd/test.png     # bits/dim of the test split
-    python sample.py --ckpt ddpm-cifar10-32 --eval fid --n 50000 --out fid/ho.png     # diffusers' copy of Ho's weights
-    python sample.py --ckpt runs/x/ema.pt --export_diffusers hub/x                     # a folder diffusers loads
+    # + FID, IS, precision/recall
+    python sample.py --ckpt runs/x/ema.pt --eval fid --n 50000 --out fid/samples.png
+    # bits/dim of the test split
+    python sample.py --ckpt runs/x/ema.pt --eval bpd --n 10000 --out bpd/test.png
+    # diffusers' copy of Ho's weights
+    python sample.py --ckpt ddpm-cifar10-32 --eval fid --n 50000 --out fid/ho.png
+    # a folder diffusers loads
+    python sample.py --ckpt runs/x/ema.pt --export_diffusers hub/x
 
 --ckpt takes either checkpoint a run writes (ckpt.pt, the resumable state, or ema.pt, the export);
 both hold the EMA weights and the model config, and load with weights_only=True. It also takes a
@@ -36,8 +40,10 @@ import evaluate
 
 def main(argv=None):
     p = argparse.ArgumentParser(description="Sample images from a trained ddpm run.")
-    p.add_argument("--ckpt", required=True, help="a run's ckpt.pt or ema.pt, or a diffusers model or pipeline folder")
-    p.add_argument("--ckpt_high", default="", help="with model splitting: the t >= S expert (--ckpt is then the t < S one)")
+    p.add_argument("--ckpt", required=True,
+                   help="a run's ckpt.pt or ema.pt, or a diffusers model or pipeline folder")
+    p.add_argument("--ckpt_high", default="",
+                   help="with model splitting: the t >= S expert (--ckpt is then the t < S one)")
     p.add_argument("--n", type=int, default=64, help="number of images")
     p.add_argument("--sampler", choices=["ddpm", "ddim", "dpm++"], default="dpm++")
     p.add_argument("--steps", type=int, default=20, help="sampler steps; 0 = all T")
@@ -50,16 +56,21 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=256, help="images per network call (memory)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
-    p.add_argument("--out", default="samples.png", help="grid PNG; the .npz (and, with --eval, a .json of the results) is written beside it")
+    p.add_argument("--out", default="samples.png",
+                   help="grid PNG; the .npz (and, with --eval, a .json of the results) is written beside it")
     p.add_argument("--eval", choices=["samples", "fid", "bpd"], default="samples",
-                   help="samples: draw --n images; fid: also FID/IS/precision/recall of them against the training set; "
-                        "bpd: bits/dim of --n held-out images (Diffusion.bpd)")
-    p.add_argument("--strata", type=int, default=0, help="bpd: estimate from 2*strata+1 network calls; 0 = all T (exact)")
-    p.add_argument("--dataset", help="fid: the reference (train split), bpd: held-out data (test split); default: the run's own dataset")
+                   help="samples: draw --n images; fid: also FID/IS/precision/recall of them against the "
+                        "training set; bpd: bits/dim of --n held-out images (Diffusion.bpd)")
+    p.add_argument("--strata", type=int, default=0,
+                   help="bpd: estimate from 2*strata+1 network calls; 0 = all T (exact)")
+    p.add_argument("--dataset", help="fid: the reference (train split), bpd: held-out data (test split); "
+                                     "default: the run's own dataset")
     p.add_argument("--data_dir", help="fid, bpd: default: the run's own data_dir")
-    p.add_argument("--stats_dir", default=ddpm.TrainerConfig.fid_stats_dir, help="fid: where the reference statistics are cached")
+    p.add_argument("--stats_dir", default=ddpm.TrainerConfig.fid_stats_dir,
+                   help="fid: where the reference statistics are cached")
     p.add_argument("--export_diffusers", metavar="DIR", default="",
-                   help="write the EMA model as a diffusers folder (UNet2DModel + DDPMScheduler config) and exit")
+                   help="write the EMA model as a diffusers folder (UNet2DModel + DDPMScheduler config) "
+                        "and exit")
     args = p.parse_args(argv)
     try:
         device = ddpm.resolve_device(args.device)
@@ -70,10 +81,12 @@ def main(argv=None):
             if same != {k: v for k, v in dataclasses.asdict(mc_high).items() if k != "split_part"}:
                 raise ddpm.ConfigError("--ckpt and --ckpt_high differ in more than split_part")
             if (mc.split_part, mc_high.split_part) != ("low", "high") or not ddpm.split_timestep(mc):
-                raise ddpm.ConfigError("--ckpt must be a split model's 'low' expert and --ckpt_high its 'high' one")
+                raise ddpm.ConfigError("--ckpt must be a split model's 'low' expert and --ckpt_high its "
+                                       "'high' one")
             model = ddpm.SplitModel(model, high, ddpm.split_timestep(mc))
         elif ddpm.split_timestep(mc):
-            raise ddpm.ConfigError(f"{args.ckpt} is one expert of a split model: give the other with --ckpt_high")
+            raise ddpm.ConfigError(f"{args.ckpt} is one expert of a split model: give the other with "
+                                   "--ckpt_high")
         if not (0 <= args.steps <= mc.timesteps) or args.n < 1 or args.batch < 1:
             raise ddpm.ConfigError(f"need n >= 1, batch >= 1 and 0 <= steps <= {mc.timesteps}")
         for name, ok in (("guidance", 0 <= args.guidance < math.inf), ("eta", 0 <= args.eta <= 1),
@@ -92,7 +105,8 @@ def main(argv=None):
                 diffusers_io.write(args.export_diffusers, model, mc)
             except ValueError as e:
                 raise ddpm.ConfigError(f"--export_diffusers: {e}") from None
-            print(f"wrote {args.export_diffusers}: UNet2DModel.from_pretrained and DDPMScheduler.from_pretrained load it")
+            print(f"wrote {args.export_diffusers}: UNet2DModel.from_pretrained and "
+                  "DDPMScheduler.from_pretrained load it")
             return args.export_diffusers
     except ddpm.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -105,8 +119,9 @@ def main(argv=None):
         try:
             dataset, data_dir = run_data(args, run)
             extractor = evaluate.inception(device)
-            ref = evaluate.reference_stats(extractor, dataset, data_dir, mc.image_size, run.get("shapes_count", ddpm.TrainerConfig.shapes_count), device,
-                                  cache_dir=args.stats_dir)
+            ref = evaluate.reference_stats(extractor, dataset, data_dir, mc.image_size,
+                                           run.get("shapes_count", ddpm.TrainerConfig.shapes_count), device,
+                                           cache_dir=args.stats_dir)
         except evaluate.EvalError as e:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
@@ -114,14 +129,15 @@ def main(argv=None):
     net = ddpm.autocast_model(model, device, precision)
 
     if mc.num_classes > 0:
-        labels = torch.full((args.n,), args.label) if args.label >= 0 else torch.arange(args.n) % mc.num_classes
+        labels = (torch.full((args.n,), args.label) if args.label >= 0
+                  else torch.arange(args.n) % mc.num_classes)
     else:
         labels = None
     g = torch.Generator().manual_seed(args.seed)  # one CPU stream for all batches: reproducible on any device
     images = []
-    for x in evaluate.generate(diffusion, net, args.n, mc, batch=args.batch, generator=g, labels=labels, sampler=args.sampler,
-                      steps=args.steps or None, guidance=args.guidance, eta=args.eta, threshold=args.threshold,
-                      percentile=args.percentile):
+    for x in evaluate.generate(diffusion, net, args.n, mc, batch=args.batch, generator=g, labels=labels,
+                               sampler=args.sampler, steps=args.steps or None, guidance=args.guidance,
+                               eta=args.eta, threshold=args.threshold, percentile=args.percentile):
         images.append(x)
         print(f"{sum(map(len, images))}/{args.n} images", flush=True)
     images = torch.cat(images)
@@ -134,11 +150,13 @@ def main(argv=None):
     print(f"wrote {args.out} and {npz}: {what}")
     if args.eval == "fid":
         feats, logits = evaluate.features(extractor, images.split(args.batch), device)
-        result = {**evaluate.fid_metrics(feats, logits, ref), "n": args.n, "reference": f"{dataset} train, {int(ref['n'])} images",
+        result = {**evaluate.fid_metrics(feats, logits, ref), "n": args.n,
+                  "reference": f"{dataset} train, {int(ref['n'])} images",
                   "sampler": args.sampler, "steps": args.steps or mc.timesteps, "guidance": args.guidance,
                   "feature_extractor": "torch-fidelity inception-v3-compat"}
         path = write_json(result, args.out)
-        extra = "".join(f", {k} {result[k]:.4f}" for k in ("inception_score", "precision", "recall") if k in result)
+        extra = "".join(f", {k} {result[k]:.4f}" for k in ("inception_score", "precision", "recall")
+                        if k in result)
         print(f"FID {result['fid']:.3f} ({args.n} samples vs {result['reference']}){extra}; wrote {path}")
         return result
 
@@ -163,7 +181,8 @@ def run_data(args, run):
     """The held-out/reference data: --dataset/--data_dir, else what the checkpoint's run trained on."""
     dataset, data_dir = args.dataset or run.get("dataset"), args.data_dir or run.get("data_dir")
     if not dataset:
-        raise evaluate.EvalError(f"--eval {args.eval} needs --dataset (and --data_dir): this checkpoint does not record its run's data")
+        raise evaluate.EvalError(f"--eval {args.eval} needs --dataset (and --data_dir): this checkpoint does "
+                                 "not record its run's data")
     return dataset, data_dir
 
 
@@ -181,20 +200,24 @@ def evaluate_bpd(args, model, mc, run, diffusion, device):
 
     try:
         dataset, data_dir = run_data(args, run)
-        images, labels, _ = data.load_dataset(dataset, data_dir, mc.image_size, run.get("shapes_count", ddpm.TrainerConfig.shapes_count), train=False)
-    except (EvalError, data.DataError) as e:
+        images, labels, _ = data.load_dataset(dataset, data_dir, mc.image_size,
+                                              run.get("shapes_count", ddpm.TrainerConfig.shapes_count),
+                                              train=False)
+    except (evaluate.EvalError, data.DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     n = min(args.n, len(images))
     g = torch.Generator().manual_seed(args.seed)
-    bits, est_var = evaluate.held_out_bits(diffusion, model, images[:n], labels[:n], mc.num_classes, device, args.batch,
-                                  args.strata, args.threshold, g, progress=True)
+    bits, est_var = evaluate.held_out_bits(diffusion, model, images[:n], labels[:n], mc.num_classes, device,
+                                           args.batch, args.strata, args.threshold, g, progress=True)
     result = {"bpd": bits.mean().item(), "sem": (bits.std() / n**0.5).item() if n > 1 else None, "n": n,
               "dataset": dataset, "split": "test", "strata": args.strata or None,
-              "estimator_se": est_var**0.5 / n if args.strata else None, "reverse_variance": mc.reverse_variance}
+              "estimator_se": est_var**0.5 / n if args.strata else None,
+              "reverse_variance": mc.reverse_variance}
     path = write_json(result, args.out)
     extra = f", estimator s.e. {result['estimator_se']:.4f}" if args.strata else ""
-    print(f"bits/dim {result['bpd']:.4f} ± {result['sem'] or 0:.4f} (s.e.m. over {n} {dataset} test images{extra}); wrote {path}")
+    print(f"bits/dim {result['bpd']:.4f} ± {result['sem'] or 0:.4f} "
+          f"(s.e.m. over {n} {dataset} test images{extra}); wrote {path}")
     return result
 
 

@@ -48,7 +48,8 @@ def timestep_embedding(t, dim, max_period=10000.0):
     """Sinusoidal embedding of t: (B,) -> (B, dim), float32 (Vaswani et al. 2017, §3.5), with Ho et al.'s
     frequencies max_period^(-i / (dim/2 - 1)), i = 0..dim/2-1 (diffusion_tf's get_timestep_embedding)."""
     half = dim // 2
-    freqs = torch.exp(-math.log(max_period) * torch.arange(half, device=t.device, dtype=torch.float32) / max(half - 1, 1))
+    freqs = torch.exp(-math.log(max_period) * torch.arange(half, device=t.device, dtype=torch.float32)
+                      / max(half - 1, 1))
     args = t.float()[:, None] * freqs[None]  # (B, half)
     emb = torch.cat([torch.sin(args), torch.cos(args)], dim=1)
     if dim % 2:
@@ -62,7 +63,8 @@ def position_embedding_2d(channels, size):
     pos = torch.arange(size)
     rows = timestep_embedding(pos, channels // 2)  # (size, C/2)
     cols = timestep_embedding(pos, channels - channels // 2)
-    emb = torch.cat([rows[:, None, :].expand(size, size, -1), cols[None, :, :].expand(size, size, -1)], dim=-1)
+    emb = torch.cat([rows[:, None, :].expand(size, size, -1), cols[None, :, :].expand(size, size, -1)],
+                    dim=-1)
     return emb.permute(2, 0, 1)[None]
 
 
@@ -148,7 +150,8 @@ class Level(nn.Module):
         super().__init__()
         self.res = nn.ModuleList(ResBlock(c, out_ch, temb_ch, cfg.dropout) for c in in_chs)
         self.attn = nn.ModuleList(
-            Attention(out_ch, cfg.attn_heads, cfg.attn_head_dim, backend) if attn else nn.Identity() for _ in in_chs
+            Attention(out_ch, cfg.attn_heads, cfg.attn_head_dim, backend) if attn else nn.Identity()
+            for _ in in_chs
         )
 
 
@@ -158,7 +161,8 @@ class UNet(nn.Module):
         self.cfg = cfg
         P, ch = cfg.patch_size, cfg.base_channels
         temb_ch = 4 * ch
-        self.time_mlp = nn.Sequential(ho_init(nn.Linear(ch, temb_ch)), nn.SiLU(), ho_init(nn.Linear(temb_ch, temb_ch)))
+        self.time_mlp = nn.Sequential(ho_init(nn.Linear(ch, temb_ch)), nn.SiLU(),
+                                      ho_init(nn.Linear(temb_ch, temb_ch)))
         # one extra class index, num_classes, is the "no label" class used by classifier-free guidance
         self.class_emb = nn.Embedding(cfg.num_classes + 1, temb_ch) if cfg.num_classes > 0 else None
         self.conv_in = ho_init(nn.Conv2d(cfg.channels * P * P, ch, 3, padding=1))
@@ -203,7 +207,8 @@ class UNet(nn.Module):
         """x: (B, C, H, W); t: (B,) timesteps; y: (B,) labels in [0, num_classes], num_classes = no label."""
         P = self.cfg.patch_size
         emb = timestep_embedding(t, self.cfg.base_channels)  # float32, as in Ho et al. and diffusers
-        temb = self.time_mlp(emb.to(self.conv_in.weight.dtype))  # (B, 4ch), in the network's dtype (float64 too)
+        # (B, 4ch), in the network's dtype (float64 too)
+        temb = self.time_mlp(emb.to(self.conv_in.weight.dtype))
         if self.class_emb is not None:
             if y is None:  # unconditional call: everything gets the null class
                 y = torch.full((x.shape[0],), self.cfg.num_classes, device=x.device, dtype=torch.long)
@@ -234,20 +239,24 @@ class UNet(nn.Module):
 
 # -----------------------------------------------------------------------------
 # diffusers' UNet2DModel is this network under other names (google/ddpm-cifar10-32, diffusers' conversion of
-# Ho et al.'s CIFAR-10 checkpoint, is the 'ho' preset). Unconditional models with P = 1, no position embedding,
-# one GroupNorm group count throughout and one attention layout can be written in its format and read back.
+# Ho et al.'s CIFAR-10 checkpoint, is the 'ho' preset). Unconditional models with P = 1, no position
+# embedding, one GroupNorm group count throughout and one attention layout can be written in its format and
+# read back.
 
 RENAMES = [  # (our tensor name pattern, diffusers' replacement), applied in this order
     (r"^time_mlp\.0\.", "time_embedding.linear_1."), (r"^time_mlp\.2\.", "time_embedding.linear_2."),
-    (r"^(down|up)\.(\d+)\.res\.", r"\1_blocks.\2.resnets."), (r"^(down|up)\.(\d+)\.attn\.", r"\1_blocks.\2.attentions."),
-    (r"^downsample\.(\d+)\.", r"down_blocks.\1.downsamplers.0."), (r"^upsample\.(\d+)\.", r"up_blocks.\1.upsamplers.0."),
+    (r"^(down|up)\.(\d+)\.res\.", r"\1_blocks.\2.resnets."),
+    (r"^(down|up)\.(\d+)\.attn\.", r"\1_blocks.\2.attentions."),
+    (r"^downsample\.(\d+)\.", r"down_blocks.\1.downsamplers.0."),
+    (r"^upsample\.(\d+)\.", r"up_blocks.\1.upsamplers.0."),
     (r"^mid_res1\.", "mid_block.resnets.0."), (r"^mid_attn\.", "mid_block.attentions.0."),
     (r"^mid_res2\.", "mid_block.resnets.1."), (r"^norm_out\.", "conv_norm_out."),
     (r"\.temb_proj\.", ".time_emb_proj."), (r"\.skip\.", ".conv_shortcut."), (r"\.norm\.", ".group_norm."),
     (r"\.proj\.", ".to_out.0."),
 ]
 QKV = ("to_q", "to_k", "to_v")  # our fused qkv is diffusers' three layers, stacked along the output
-DEPRECATED = {"query": "to_q", "key": "to_k", "value": "to_v", "proj_attn": "to_out.0"}  # names in older exports
+# names in older exports
+DEPRECATED = {"query": "to_q", "key": "to_k", "value": "to_v", "proj_attn": "to_out.0"}
 
 
 def diffusers_names(name):
@@ -271,7 +280,8 @@ def diffusers_config(model):
     widths = [int(cfg.base_channels * m) for m in cfg.channel_mult]
     need(widths[0] == cfg.base_channels, "channel_mult", "its first level is as wide as the input conv")
     groups = {m.num_groups for m in model.modules() if isinstance(m, nn.GroupNorm)}
-    need(len(groups) == 1, "base_channels", f"one GroupNorm group count for all widths; these give {sorted(groups)}")
+    need(len(groups) == 1, "base_channels",
+         f"one GroupNorm group count for all widths; these give {sorted(groups)}")
     attns = [m for m in model.modules() if isinstance(m, Attention)]
     if all(a.heads == 1 for a in attns):
         head_dim = None  # one head as wide as its block, Ho et al.'s attention
@@ -284,7 +294,8 @@ def diffusers_config(model):
     return {
         "_class_name": "UNet2DModel", "sample_size": cfg.image_size, "in_channels": cfg.channels,
         "out_channels": cfg.channels, "center_input_sample": False, "time_embedding_type": "positional",
-        "time_embedding_dim": None, "freq_shift": 1, "flip_sin_to_cos": False,  # Ho's frequencies, sin before cos
+        # Ho's frequencies, sin before cos
+        "time_embedding_dim": None, "freq_shift": 1, "flip_sin_to_cos": False,
         "down_block_types": ["AttnDownBlock2D" if a else "DownBlock2D" for a in attn],
         "mid_block_type": "UNetMidBlock2D",
         "up_block_types": ["AttnUpBlock2D" if a else "UpBlock2D" for a in reversed(attn)],
@@ -298,12 +309,13 @@ def diffusers_config(model):
 
 
 def model_fields_from_diffusers(config):
-    """A UNet2DModel config.json -> our ModelConfig's network fields; ValueError naming a field it cannot express.
-    The caller builds the model and compares diffusers_config(model) with the config, which catches the rest
-    (a GroupNorm group count or an epsilon that differs from ours)."""
+    """A UNet2DModel config.json -> our ModelConfig's network fields; ValueError naming a field it cannot
+    express. The caller builds the model and compares diffusers_config(model) with the config, which catches
+    the rest (a GroupNorm group count or an epsilon that differs from ours)."""
     def need(ok, field, why):
         if not ok:
-            raise ValueError(f"config.json: {field}={config.get(field)!r} cannot be expressed by this UNet ({why})")
+            raise ValueError(f"config.json: {field}={config.get(field)!r} cannot be expressed by this UNet "
+                             f"({why})")
 
     need(config.get("_class_name", "UNet2DModel") == "UNet2DModel", "_class_name", "only UNet2DModel is")
     size = config.get("sample_size")
@@ -312,16 +324,19 @@ def model_fields_from_diffusers(config):
     need(config.get("out_channels") == config.get("in_channels", 3), "out_channels",
          "the output has the input's channels: no learned variance")
     widths = list(config.get("block_out_channels") or [])
-    need(widths and all(isinstance(w, int) and w > 0 for w in widths), "block_out_channels", "positive widths")
+    need(widths and all(isinstance(w, int) and w > 0 for w in widths), "block_out_channels",
+         "positive widths")
     mult = tuple(int(w // widths[0]) if w % widths[0] == 0 else w / widths[0] for w in widths)
-    need(all(int(widths[0] * m) == w for m, w in zip(mult, widths)), "block_out_channels", "widths as multiples")
+    need(all(int(widths[0] * m) == w for m, w in zip(mult, widths)), "block_out_channels",
+         "widths as multiples")
     down, up = list(config.get("down_block_types") or []), list(config.get("up_block_types") or [])
     need(len(down) == len(widths) and set(down) <= {"DownBlock2D", "AttnDownBlock2D"}, "down_block_types",
          "DownBlock2D and AttnDownBlock2D, one per width")
     attn = [b == "AttnDownBlock2D" for b in down]
     need(up == ["AttnUpBlock2D" if a else "UpBlock2D" for a in reversed(attn)], "up_block_types",
          "the down blocks mirrored")
-    need(config.get("mid_block_type", "UNetMidBlock2D") == "UNetMidBlock2D", "mid_block_type", "a mid block with attention")
+    need(config.get("mid_block_type", "UNetMidBlock2D") == "UNetMidBlock2D", "mid_block_type",
+         "a mid block with attention")
     head_dim = config.get("attention_head_dim", 8)
     return dict(image_size=size, channels=config["in_channels"], base_channels=widths[0], channel_mult=mult,
                 num_res_blocks=config.get("layers_per_block", 2),
@@ -343,9 +358,11 @@ def diffusers_state_dict(model):
 
 def load_diffusers_state_dict(model, state_dict):
     """Load UNet2DModel tensors into `model`: every tensor used exactly once; a missing, unexpected or
-    misshapen one is a ValueError. Older exports' attention names (query, key, value, proj_attn) are read too."""
+    misshapen one is a ValueError. Older exports' attention names (query, key, value, proj_attn) are read
+    too."""
     old = re.compile(r"\.attentions\.(\d+)\.(query|key|value|proj_attn)\.")
-    theirs = {old.sub(lambda m: f".attentions.{m[1]}.{DEPRECATED[m[2]]}.", k): v for k, v in state_dict.items()}
+    theirs = {old.sub(lambda m: f".attentions.{m[1]}.{DEPRECATED[m[2]]}.", k): v
+              for k, v in state_dict.items()}
     ours, used = {}, set()
     for name, param in model.state_dict().items():
         names = diffusers_names(name)
@@ -354,25 +371,29 @@ def load_diffusers_state_dict(model, state_dict):
             raise ValueError(f"the diffusers weights have no tensor {missing[0]}")
         tensor = torch.cat([theirs[n] for n in names]) if len(names) > 1 else theirs[names[0]]
         if tensor.shape != param.shape:
-            raise ValueError(f"{names[0]} has shape {tuple(tensor.shape)}; this model's is {tuple(param.shape)}")
+            raise ValueError(f"{names[0]} has shape {tuple(tensor.shape)}; "
+                             f"this model's is {tuple(param.shape)}")
         ours[name] = tensor
         used.update(names)
     unexpected = sorted(set(theirs) - used)
     if unexpected:
-        raise ValueError(f"the diffusers weights hold {len(unexpected)} tensor(s) this model has no place for: {unexpected[0]}, ...")
+        raise ValueError(f"the diffusers weights hold {len(unexpected)} tensor(s) "
+                         f"this model has no place for: {unexpected[0]}, ...")
     model.load_state_dict(ours)
     return model
 
 
 DIFFUSERS_DEFAULTS = dict(  # UNet2DModel's own defaults (diffusers 0.42), for fields a config.json leaves out
-    sample_size=None, in_channels=3, out_channels=3, center_input_sample=False, time_embedding_type="positional",
-    time_embedding_dim=None, freq_shift=0, flip_sin_to_cos=True,
+    sample_size=None, in_channels=3, out_channels=3, center_input_sample=False,
+    time_embedding_type="positional", time_embedding_dim=None, freq_shift=0, flip_sin_to_cos=True,
     down_block_types=["DownBlock2D", "AttnDownBlock2D", "AttnDownBlock2D", "AttnDownBlock2D"],
-    mid_block_type="UNetMidBlock2D", up_block_types=["AttnUpBlock2D", "AttnUpBlock2D", "AttnUpBlock2D", "UpBlock2D"],
-    block_out_channels=[224, 448, 672, 896], layers_per_block=2, mid_block_scale_factor=1, downsample_padding=1,
-    downsample_type="conv", upsample_type="conv", dropout=0.0, act_fn="silu", attention_head_dim=8,
-    norm_num_groups=32, attn_norm_num_groups=None, norm_eps=1e-5, resnet_time_scale_shift="default",
-    add_attention=True, class_embed_type=None, num_class_embeds=None, num_train_timesteps=None,
+    mid_block_type="UNetMidBlock2D",
+    up_block_types=["AttnUpBlock2D", "AttnUpBlock2D", "AttnUpBlock2D", "UpBlock2D"],
+    block_out_channels=[224, 448, 672, 896], layers_per_block=2, mid_block_scale_factor=1,
+    downsample_padding=1, downsample_type="conv", upsample_type="conv", dropout=0.0, act_fn="silu",
+    attention_head_dim=8, norm_num_groups=32, attn_norm_num_groups=None, norm_eps=1e-5,
+    resnet_time_scale_shift="default", add_attention=True, class_embed_type=None, num_class_embeds=None,
+    num_train_timesteps=None,
 )
 
 
@@ -387,5 +408,7 @@ def check_diffusers_config(model, config):
         config["attn_norm_num_groups"] = None
     listed = lambda v: list(v) if isinstance(v, (list, tuple)) else v  # noqa: E731
     for field, ours in diffusers_config(model).items():
-        if field not in ("_class_name", "attention_head_dim", "sample_size") and listed(config[field]) != listed(ours):
-            raise ValueError(f"config.json: {field}={config[field]!r} cannot be expressed by this UNet (it has {ours!r})")
+        if (field not in ("_class_name", "attention_head_dim", "sample_size")
+                and listed(config[field]) != listed(ours)):
+            raise ValueError(f"config.json: {field}={config[field]!r} cannot be expressed by this UNet "
+                             f"(it has {ours!r})")

@@ -1,3 +1,4 @@
+import json
 import os
 import sys
 
@@ -33,3 +34,46 @@ def tiny_trainer(out_dir, **kw):
                 ema_decay=0.99, compile=False, precision="fp32", out_dir=str(out_dir), log_every_steps=5,
                 sample_every_steps=0, ckpt_every_steps=0, num_samples=4, sampler="ddim", sample_steps=5)
     return TrainerConfig(**{**base, **kw})
+
+
+def read_metrics(run, key="loss"):
+    """metrics.jsonl's rows that hold `key` (training rows by default; 'fid' or 'bpd' for evaluation rows)."""
+    return [row for row in map(json.loads, open(os.path.join(run, "metrics.jsonl"))) if key is None or key in row]
+
+
+def one_line_error(capsys, main, argv, code=2):
+    """main(argv) exits with `code` after exactly one 'error: ...' line on stderr and no traceback; -> that line."""
+    capsys.readouterr()  # what earlier calls printed is not this call's
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == code and err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("error: ") or err.startswith("[rank "), err  # under torchrun: "[rank N] error: ..."
+    return err.strip()
+
+
+@pytest.fixture(scope="session")
+def run_dir(tmp_path_factory):
+    """A real 3-step run of the tiny class-conditional model: ckpt.pt, ema.pt and the rest of its folder."""
+    out = tmp_path_factory.mktemp("run")
+    from ddpm import train
+
+    train(tiny_model(num_classes=4), tiny_trainer(out, max_steps=3), preset="test")
+    return out
+
+
+def nan_after(monkeypatch, first_bad, last_bad=10**9):
+    """Make Diffusion.loss return NaN on calls first_bad..last_bad (0-based)."""
+    import ddpm
+
+    real, calls = ddpm.Diffusion.loss, []
+
+    def loss(self, *args, **kw):
+        value = real(self, *args, **kw)
+        calls.append(1)
+        if first_bad <= len(calls) - 1 <= last_bad:  # the step's per-sample losses are NaN as well
+            self.last_losses = self.last_losses * float("nan")
+            return value * float("nan")
+        return value
+
+    monkeypatch.setattr(ddpm.Diffusion, "loss", loss)

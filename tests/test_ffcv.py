@@ -1,13 +1,16 @@
 """The FFCV path: beton round trips, caching, and batch-for-batch agreement with the torch loader."""
+import json
 import os
 
 import numpy as np
 import pytest
 import torch
+from conftest import one_line_error
 from PIL import Image
 
 import data
 from data import FFCVLoader, Loader, beton_for, make_loader, shapes, write_beton
+from data import main as data_main
 
 pytest.importorskip("ffcv", reason="ffcv is not installed (make setup installs it)")
 
@@ -94,17 +97,12 @@ def test_training_through_ffcv_equals_training_through_torch(tmp_path):
     assert sorted(os.listdir(tmp_path / "b")) == ["shapes-train-16px-n64.beton", "shapes-train-16px-n64.beton.json"]
 
 
-def test_data_cli_writes_a_beton_and_rejects_bad_input(tmp_path):
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+def test_data_cli_writes_a_beton_and_rejects_bad_input(tmp_path, capsys):
     out = tmp_path / "s.beton"
-    r = subprocess.run([sys.executable, "data.py", "--dataset", "shapes", "--shapes_count", "40", "--image_size", "8",
-                        "--out", str(out)], cwd=root, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and out.exists(), r.stderr
+    data_main(["--dataset", "shapes", "--shapes_count", "40", "--image_size", "8", "--out", str(out)])
+    assert out.exists() and json.loads((tmp_path / "s.beton.json").read_text())["images"] == 40
     loader = FFCVLoader(str(out), batch_size=8, seed=0, device="cpu")
     assert loader.n == 40 and loader.next()[0].shape == (8, 3, 8, 8)
-    r = subprocess.run([sys.executable, "data.py", "--dataset", "folder", "--data_dir", str(tmp_path / "none"),
-                        "--out", str(tmp_path / "x.beton")], cwd=root, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 2 and r.stderr.strip().splitlines() == [f"error: image folder '{tmp_path / 'none'}' does not exist"]
+    err = one_line_error(capsys, data_main, ["--dataset", "folder", "--data_dir", str(tmp_path / "none"),
+                                             "--out", str(tmp_path / "x.beton")])
+    assert err == f"error: image folder '{tmp_path / 'none'}' does not exist"

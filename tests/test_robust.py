@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, TINY_ARGS, tiny_model, tiny_trainer
+from conftest import ROOT, TINY_ARGS, nan_after, one_line_error, read_metrics, tiny_model, tiny_trainer
 
 import benchmark
 import data
@@ -19,14 +19,6 @@ import ddpm
 import evaluate
 import sample
 from ddpm import BOUNDS, ConfigError, ModelConfig, TrainerConfig, TrainingError, parse_args, train
-
-
-def one_line_exit(capsys, main, argv, code=2):
-    with pytest.raises(SystemExit) as e:
-        main(argv)
-    err = capsys.readouterr().err
-    assert e.value.code == code and err.count("\n") == 1 and err.startswith("error: ") and "Traceback" not in err, err
-    return err
 
 
 # ---- every numeric field is range-checked, NaN and inf included
@@ -142,19 +134,9 @@ def test_weights_that_overflow_never_overwrite_a_checkpoint(tmp_path, monkeypatc
 
 
 def test_a_skipped_step_does_not_blank_its_intervals_loss(tmp_path, monkeypatch):
-    real, calls = ddpm.Diffusion.loss, []
-
-    def nan_once(self, *args, **kw):
-        loss = real(self, *args, **kw)
-        calls.append(1)
-        if len(calls) == 2:
-            self.last_losses = self.last_losses * float("nan")
-            return loss * float("nan")
-        return loss
-
-    monkeypatch.setattr(ddpm.Diffusion, "loss", nan_once)
+    nan_after(monkeypatch, 1, 1)
     train(tiny_model(), tiny_trainer(tmp_path, max_steps=5, log_every_steps=5), preset="test")
-    row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    row = read_metrics(tmp_path)[0]
     assert row["nonfinite_skipped"] == 1 and row["loss"] is not None and np.isfinite(row["loss"])
     assert all(row[f"loss_q{q}"] is None or np.isfinite(row[f"loss_q{q}"]) for q in range(4))
 
@@ -176,7 +158,7 @@ def ema_pt(tmp_path_factory):
 ])
 def test_sample_cli_refuses_before_sampling(tmp_path, capsys, ema_pt, extra, needle):
     (tmp_path / "file").write_text("a file, not a folder")
-    err = one_line_exit(capsys, sample.main, ["--ckpt", ema_pt, "--steps", "2", *[a.format(d=tmp_path) for a in extra]])
+    err = one_line_error(capsys, sample.main, ["--ckpt", ema_pt, "--steps", "2", *[a.format(d=tmp_path) for a in extra]])
     assert needle in err
 
 
@@ -186,7 +168,7 @@ def test_sample_cli_refuses_before_sampling(tmp_path, capsys, ema_pt, extra, nee
     (["--dataset=shapes", "--shapes_count=8", "--out=/dev/full"], "not a regular file"),
 ])
 def test_data_cli_refuses_in_one_line(capsys, argv, needle):
-    assert needle in one_line_exit(capsys, data.main, argv)
+    assert needle in one_line_error(capsys, data.main, argv)
 
 
 @pytest.mark.parametrize("argv,needle", [(["--iters=-1"], "--iters -1"), (["--batch=-2"], "--batch -2"),
@@ -194,7 +176,7 @@ def test_data_cli_refuses_in_one_line(capsys, argv, needle):
                                          (["--loaders=/no/such/folder"], "does not exist"),
                                          (["--loaders=.", "--loader_batch=0"], "--loader_batch 0")])
 def test_benchmark_cli_refuses_in_one_line(capsys, argv, needle):
-    assert needle in one_line_exit(capsys, benchmark.main, ["--device=cpu", *argv])
+    assert needle in one_line_error(capsys, benchmark.main, ["--device=cpu", *argv])
 
 
 # ---- data that is what it says

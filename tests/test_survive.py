@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from conftest import ROOT, TINY_ARGS, tiny_model, tiny_trainer
+from conftest import ROOT, TINY_ARGS, nan_after, one_line_error, read_metrics, tiny_model, tiny_trainer
 
 import data
 import ddpm
@@ -41,8 +41,7 @@ def test_two_gloo_processes_equal_one_with_the_same_global_batch(tmp_path):
     common = ["--num_classes=4", "--batch_size=16", "--max_steps=6", "--log_every_steps=3", f"--loader={loader}",
               f"--beton_dir={tmp_path / 'betons'}", "--sample_every_steps=3",  # grids and bits/dim, split across ranks
               "--eval_every_steps=3", "--eval_fid_samples=0", "--eval_bpd_images=12", "--eval_bpd_strata=2"]
-    one = cli(*common, f"--out_dir={tmp_path / 'one'}")
-    assert one.returncode == 0, one.stderr
+    ddpm.main([*TINY, *common, f"--out_dir={tmp_path / 'one'}"])  # in this process; the pair under torchrun below
     two = cli(*common, f"--out_dir={tmp_path / 'two'}", launcher=(
         sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
         "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}"))
@@ -58,10 +57,9 @@ def test_two_gloo_processes_equal_one_with_the_same_global_batch(tmp_path):
     for part in ("model", "ema"):
         wa, wb = (torch.cat([w[part][k].flatten() for k in w[part]]) for w in (a, b))
         assert (wa - wb).norm() < 0.01 * (wa - init).norm(), part
-    rows_a = [json.loads(x) for x in open(tmp_path / "one" / "metrics.jsonl") if '"loss"' in x]
-    rows_b = [json.loads(x) for x in open(tmp_path / "two" / "metrics.jsonl") if '"loss"' in x]
+    rows_a, rows_b = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
     assert [r["step"] for r in rows_b] == [3, 6]  # one writer
-    evals = [json.loads(x) for x in open(tmp_path / "two" / "metrics.jsonl") if '"bpd"' in x]
+    evals = read_metrics(tmp_path / "two", "bpd")
     assert [(r["step"], r["bpd_images"]) for r in evals] == [(3, 12), (6, 12)] and all(r["bpd"] > 0 for r in evals)
     assert sorted(f for f in os.listdir(tmp_path / "two") if f.startswith("samples_")) == [
         "samples_0000003.png", "samples_0000006.png"]
@@ -111,17 +109,16 @@ def test_sigterm_to_the_torchrun_launcher_saves_and_resume_continues(tmp_path):
     assert "stopped by SIGTERM" in out and "checkpoint saved" in out, err[-3000:]
     stopped = weights(run)
     assert stopped["world_size"] == 2 and stopped["step"] >= 2 and not (run / "run.lock").exists()
-    r = cli("--batch_size=8", "--loader=torch", f"--max_steps={stopped['step'] + 2}", f"--out_dir={run}", "--resume")
-    assert r.returncode == 0, r.stderr
+    ddpm.main([*TINY, "--batch_size=8", "--loader=torch", f"--max_steps={stopped['step'] + 2}", f"--out_dir={run}",
+               "--resume"])
     assert weights(run)["step"] == stopped["step"] + 2
 
 
-def test_batch_size_must_divide_by_the_world_size(tmp_path):
-    env = {**ENV, "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
-    r = cli("--batch_size=15", f"--out_dir={tmp_path / 'run'}", env=env)
-    assert r.returncode == 2 and "Traceback" not in r.stderr
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and "batch_size 15 does not divide by the 2 processes" in lines[0]
+def test_batch_size_must_divide_by_the_world_size(tmp_path, capsys, monkeypatch):
+    for name, value in (("WORLD_SIZE", "2"), ("RANK", "0"), ("LOCAL_RANK", "0")):
+        monkeypatch.setenv(name, value)
+    err = one_line_error(capsys, ddpm.main, [*TINY, "--batch_size=15", f"--out_dir={tmp_path / 'run'}"])
+    assert "batch_size 15 does not divide by the 2 processes" in err
 
 
 def test_sigterm_saves_then_resume_is_bitwise_a_straight_run(tmp_path):
@@ -140,10 +137,12 @@ def test_sigterm_saves_then_resume_is_bitwise_a_straight_run(tmp_path):
     stopped = weights(run)["step"]
     assert 3 <= stopped < 100000
 
-    # every run in a fresh process of its own, as a cluster would start them
-    for extra in ([f"--out_dir={run}", "--resume"], [f"--out_dir={straight}"]):
-        r = cli(*args, f"--max_steps={stopped + 3}", *extra)
-        assert r.returncode == 0, r.stderr
+    # every run in a fresh process of its own, as a cluster would start them (the two side by side, one core each)
+    procs = [subprocess.Popen([sys.executable, "ddpm.py", *TINY, *args, f"--max_steps={stopped + 3}", *extra],
+                              cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for extra in ([f"--out_dir={run}", "--resume"], [f"--out_dir={straight}"])]
+    for q in procs:
+        assert q.wait(timeout=300) == 0, q.stderr.read()
     a, b = weights(straight), weights(run)
     assert a["step"] == b["step"] == stopped + 3
     for part in ("model", "ema"):
@@ -175,23 +174,11 @@ def test_checkpoints_load_with_weights_only(tmp_path):
         ddpm.load_checkpoint(str(evil), "cpu")
 
 
-def nan_after(monkeypatch, first_bad, last_bad=10**9):
-    """Make Diffusion.loss return NaN on calls first_bad..last_bad (0-based)."""
-    real, calls = ddpm.Diffusion.loss, []
-
-    def loss(self, *args, **kw):
-        value = real(self, *args, **kw)
-        calls.append(1)
-        return value * float("nan") if first_bad <= len(calls) - 1 <= last_bad else value
-
-    monkeypatch.setattr(ddpm.Diffusion, "loss", loss)
-
-
 def test_non_finite_steps_are_skipped_and_counted(tmp_path, monkeypatch):
     nan_after(monkeypatch, 2, 3)
     out = tmp_path / "run"
     train(tiny_model(), tiny_trainer(out, max_steps=6, log_every_steps=1), preset="test")
-    rows = [json.loads(x) for x in open(out / "metrics.jsonl")]
+    rows = read_metrics(out)
     assert [r["nonfinite_skipped"] for r in rows] == [0, 0, 1, 1, 0, 0]
     assert rows[2]["loss"] is None and rows[4]["loss"] is not None
     ckpt = weights(out)
@@ -206,11 +193,9 @@ def test_k_consecutive_non_finite_steps_stop_the_run_and_keep_the_checkpoint(tmp
     before = (out / "ckpt.pt").read_bytes()
     nan_after(monkeypatch, 0)
     with pytest.raises(SystemExit) as e:
-        ddpm.main(["--image_size=16", "--base_channels=16", "--channel_mult=1,2", "--num_res_blocks=1",
-                   "--attn_resolutions=8", "--timesteps=100", "--dataset=shapes", "--shapes_count=512", "--loader=torch",
-                   "--compile=false", "--precision=fp32", "--batch_size=16", "--lr=2e-3", "--warmup_steps=5",
-                   "--ema_decay=0.99", "--dropout=0", "--log_every_steps=1", "--sample_every_steps=0",
-                   "--ckpt_every_steps=0", "--max_steps=50", "--max_nonfinite_steps=3", f"--out_dir={out}", "--resume"])
+        ddpm.main([*TINY, "--shapes_count=512", "--loader=torch", "--batch_size=16", "--warmup_steps=5",
+                   "--ema_decay=0.99", "--log_every_steps=1", "--max_steps=50", "--max_nonfinite_steps=3",
+                   f"--out_dir={out}", "--resume"])
     assert e.value.code == 1
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines[-1].startswith("error: 3 consecutive steps had a non-finite loss or gradient")
@@ -236,17 +221,16 @@ def test_a_full_disk_never_loses_the_previous_checkpoint(tmp_path, monkeypatch, 
     assert not [f for f in os.listdir(out) if f.endswith(".tmp")]
 
 
-def test_a_corrupt_beton_is_one_line(tmp_path):
+def test_a_corrupt_beton_is_one_line(tmp_path, capsys):
     if not data.ffcv_available():
         pytest.skip("ffcv is not installed")
     betons = tmp_path / "betons"
     path, _ = data.beton_for("shapes", "unused", 16, str(betons), shapes_count=256)
     with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) // 2)
-    r = cli("--batch_size=8", "--max_steps=2", "--loader=ffcv", f"--beton_dir={betons}", f"--out_dir={tmp_path / 'run'}")
-    assert r.returncode == 2 and "Traceback" not in r.stderr
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and "corrupt or replaced" in lines[0] and "delete it" in lines[0]
+    err = one_line_error(capsys, ddpm.main, [*TINY, "--batch_size=8", "--max_steps=2", "--loader=ffcv",
+                                             f"--beton_dir={betons}", f"--out_dir={tmp_path / 'run'}"])
+    assert "corrupt or replaced" in err and "delete it" in err
 
 
 @pytest.mark.parametrize("make,needle", [
@@ -254,10 +238,9 @@ def test_a_corrupt_beton_is_one_line(tmp_path):
     (lambda d: (d.mkdir(), (d / "a.png").write_bytes(b"not a png")), "could be read"),
     (lambda d: None, "does not exist"),
 ])
-def test_empty_or_unreadable_image_folders_are_one_line(tmp_path, make, needle):
+def test_empty_or_unreadable_image_folders_are_one_line(tmp_path, capsys, make, needle):
     folder = tmp_path / "images"
     make(folder)
-    r = cli("--dataset=folder", f"--data_dir={folder}", "--loader=torch", f"--out_dir={tmp_path / 'run'}")
-    assert r.returncode == 2 and "Traceback" not in r.stderr
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and needle in lines[0]
+    err = one_line_error(capsys, ddpm.main, [*TINY, "--dataset=folder", f"--data_dir={folder}", "--loader=torch",
+                                             f"--out_dir={tmp_path / 'run'}"])
+    assert needle in err

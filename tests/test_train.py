@@ -4,15 +4,11 @@ import os
 
 import pytest
 import torch
-from conftest import tiny_model, tiny_trainer
+from conftest import read_metrics, tiny_model, tiny_trainer
 
 import ddpm
 from ddpm import ConfigError, train
 from unet import UNet
-
-
-def read_metrics(out_dir):
-    return [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
 
 
 def test_short_run_learns_and_fills_the_run_folder(tmp_path):
