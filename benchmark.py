@@ -148,6 +148,14 @@ def loader_bench(folder, image_size=32, batch_size=512, num_workers=2, epochs=3,
 # -----------------------------------------------------------------------------
 # The ladder
 
+
+def repatched(mc, patch_size):
+    """The preset at another patch size Q, attending over the same image regions: its attention resolutions
+    refer to its own patched grid (patch size P), where a region r positions wide spans r * P / Q at Q."""
+    return dataclasses.replace(mc, patch_size=patch_size,
+                               attn_resolutions=tuple(r * mc.patch_size // patch_size for r in mc.attn_resolutions))
+
+
 # (name, the change it makes to the row above); batch "max" searches the largest batch that fits
 LADDER = [
     ("baseline", dict(precision="fp32", compile=False, compile_mode="default", attention="math",
@@ -349,11 +357,8 @@ def main(argv=None):
             prev, cfg = cfg, trial
             if name == "patch_size P":
                 name = f"patch_size {args.patch_size}"
-            mc_row = dataclasses.replace(mc,
-                                         patch_size=args.patch_size if "patch_size" in cfg else mc.patch_size)
-            if mc_row.patch_size != mc.patch_size:  # attention resolutions refer to the patched grid
-                mc_row = dataclasses.replace(mc_row, attn_resolutions=tuple(r // mc_row.patch_size
-                                                                            for r in mc.attn_resolutions))
+            mc_row = repatched(mc, args.patch_size) if "patch_size" in cfg else mc
+            if mc_row.patch_size != mc.patch_size:
                 try:
                     ddpm.validate(mc_row, ddpm.TrainerConfig())
                 except ddpm.ConfigError as e:

@@ -107,6 +107,7 @@ class TrainerConfig:  # the run
     channels_last: Literal["auto", "true", "false"] = "auto"  # NHWC activations and weights; auto = true, except bf16 on a CPU (NCHW is faster there)
     cpu_threads: int = 0                                # CPU: intra-op threads for the step; 0 = torch's default (one per core)
     attention: Literal["sdpa", "math"] = "sdpa"         # attention kernel: F.scaled_dot_product_attention, or explicit softmax
+    activation_checkpointing: bool = False              # recompute each residual/attention block in the backward pass: less memory, ~1 more forward
     out_dir: str = ""                                   # run folder; '' = runs/<preset>-<date>-<time>
     resume: bool = False                                # continue from out_dir/ckpt.pt
     init_from: str = ""                                 # start model and EMA weights from this checkpoint (e.g. the other expert's); '' = fresh
@@ -1348,7 +1349,8 @@ def train(mc, tc, preset="custom"):
     if device.type == "cpu" and tc.cpu_threads:
         torch.set_num_threads(tc.cpu_threads)
     channels_last = resolve_channels_last(tc.channels_last, device, precision)
-    model = UNet(mc, attention=tc.attention).to(device, memory_format=memory_format(channels_last))
+    model = UNet(mc, attention=tc.attention, activation_checkpointing=tc.activation_checkpointing)
+    model = model.to(device, memory_format=memory_format(channels_last))
     ema = copy.deepcopy(model).requires_grad_(False).eval()
     diffusion = Diffusion(mc).to(device)
     opt = make_optimizer(model, tc, device)

@@ -18,6 +18,7 @@ import re
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 
 NORM_EPS = 1e-6  # GroupNorm's epsilon in Ho et al.'s code (TF's group_norm), not PyTorch's default 1e-5
@@ -156,9 +157,13 @@ class Level(nn.Module):
 
 
 class UNet(nn.Module):
-    def __init__(self, cfg, attention="sdpa"):
+    """activation_checkpointing: each residual and attention block keeps only its input for the backward pass
+    and recomputes the rest there (torch.utils.checkpoint, non-reentrant, the same dropout masks): the
+    activations' memory falls to the blocks' inputs, for about one more forward pass of compute."""
+
+    def __init__(self, cfg, attention="sdpa", activation_checkpointing=False):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.activation_checkpointing = cfg, activation_checkpointing
         P, ch = cfg.patch_size, cfg.base_channels
         temb_ch = 4 * ch
         self.time_mlp = nn.Sequential(ho_init(nn.Linear(ch, temb_ch)), nn.SiLU(),
@@ -220,21 +225,28 @@ class UNet(nn.Module):
         hs = [h]
         for level, down in zip(self.down, self.downsample):
             for res, attn in zip(level.res, level.attn):
-                h = attn(res(h, temb))
+                h = self.block(attn, self.block(res, h, temb))
                 hs.append(h)
             if not isinstance(down, nn.Identity):
                 h = down(h)
                 hs.append(h)
 
-        h = self.mid_res2(self.mid_attn(self.mid_res1(h, temb)), temb)
+        h = self.block(self.mid_res1, h, temb)
+        h = self.block(self.mid_res2, self.block(self.mid_attn, h), temb)
 
         for level, up in zip(self.up, self.upsample):
             for res, attn in zip(level.res, level.attn):
-                h = attn(res(torch.cat([h, hs.pop()], dim=1), temb))
+                h = self.block(attn, self.block(res, torch.cat([h, hs.pop()], dim=1), temb))
             h = up(h)
 
         h = self.conv_out(F.silu(self.norm_out(h)))
         return F.pixel_shuffle(h, P) if P > 1 else h
+
+    def block(self, module, *args):
+        """module(*args), recomputed in the backward pass under activation checkpointing."""
+        if self.activation_checkpointing and torch.is_grad_enabled() and not isinstance(module, nn.Identity):
+            return torch.utils.checkpoint.checkpoint(module, *args, use_reentrant=False)
+        return module(*args)
 
 
 # -----------------------------------------------------------------------------

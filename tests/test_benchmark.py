@@ -6,6 +6,7 @@ import torch
 from conftest import tiny_model
 
 import benchmark
+import ddpm
 from ddpm import train_flops_per_image
 from unet import Attention, UNet
 
@@ -108,3 +109,12 @@ def test_batch_search_says_when_not_even_the_first_batch_fits(monkeypatch):
     monkeypatch.setattr(benchmark, "time_steps", oom)
     with pytest.raises(RuntimeError, match="even batch 128 does not fit"):  # the ladder's row records it as skipped
         benchmark.largest_batch(None, {}, torch.device("cpu"), None, None, 128, 16384)
+
+
+@pytest.mark.parametrize("preset,q,attn", [("ffhq-p4", 1, (64, 32)), ("ffhq-p4", 8, (8, 4)), ("lsun-p2", 4, (8, 4)),
+                                          ("seed", 2, (16, 8, 4, 2))])
+def test_any_patch_size_attends_over_the_same_regions(preset, q, attn):
+    mc, tc, _ = ddpm.parse_args(["--preset", preset])
+    row = benchmark.repatched(mc, q)
+    assert (row.patch_size, row.attn_resolutions) == (q, attn)
+    ddpm.validate(row, tc)  # a model that exists: the paper's P = 4 against P = 1 comparison can run

@@ -144,3 +144,36 @@ def test_no_graph_breaks_for_torch_compile(kw):
     y = torch.tensor([0, 3]) if kw.get("num_classes") else None
     explained = torch._dynamo.explain(model)(torch.randn(2, 3, 16, 16), torch.tensor([1, 50]), y)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+
+def saved_bytes(model, x, t):
+    """Bytes of the tensors autograd keeps for the backward pass of one forward (the activations' memory)."""
+    total = []
+
+    def pack(tensor):
+        total.append(tensor.numel() * tensor.element_size())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = model(x, t)
+    return out, sum(total)
+
+
+def test_activation_checkpointing_same_gradients_less_memory():
+    import torch._dynamo
+
+    mc = tiny_model(dropout=0.1, attn_resolutions=(16, 8))  # dropout: the recomputation must redraw the same masks
+    plain, ckpt = randomise(UNet(mc)), UNet(mc, activation_checkpointing=True)
+    ckpt.load_state_dict(plain.state_dict())
+    x, t = torch.randn(4, 3, 16, 16), torch.tensor([1, 30, 60, 99])
+    grads = []
+    for model in (plain, ckpt):
+        torch.manual_seed(1)
+        out, saved = saved_bytes(model, x, t)
+        out.square().mean().backward()
+        grads.append(([p.grad.clone() for p in model.parameters()], saved))
+    for a, b in zip(grads[0][0], grads[1][0]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert grads[1][1] < 0.5 * grads[0][1], (grads[1][1], grads[0][1])
+    explained = torch._dynamo.explain(ckpt)(x, t)
+    assert explained.graph_break_count == 0, explained.break_reasons
