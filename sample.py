@@ -29,6 +29,7 @@ import json
 import math
 import os
 import sys
+import time
 
 import numpy as np
 import torch
@@ -134,12 +135,21 @@ def main(argv=None):
     else:
         labels = None
     g = torch.Generator().manual_seed(args.seed)  # one CPU stream for all batches: reproducible on any device
-    images = []
-    for x in evaluate.generate(diffusion, net, args.n, mc, batch=args.batch, generator=g, labels=labels,
+    evaluated = [0]  # images through the network, a guided step counting twice
+
+    def counted(z, t, y=None):
+        evaluated[0] += len(z)
+        return net(z, t, y)
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    images, t0 = [], time.perf_counter()
+    for x in evaluate.generate(diffusion, counted, args.n, mc, batch=args.batch, generator=g, labels=labels,
                                sampler=args.sampler, steps=args.steps or None, guidance=args.guidance,
                                eta=args.eta, threshold=args.threshold, percentile=args.percentile):
-        images.append(x)
+        images.append(x)  # on the CPU: generate() has waited for the device
         print(f"{sum(map(len, images))}/{args.n} images", flush=True)
+    speed = sampling_speed(args.n, evaluated[0], time.perf_counter() - t0, device)
     images = torch.cat(images)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     ddpm.save_grid(images[:256].float() / 127.5 - 1, args.out)
@@ -148,17 +158,36 @@ def main(argv=None):
              labels=labels.numpy() if labels is not None else np.zeros(0, np.int64))
     what = f"{args.n} images, {args.sampler} {args.steps or mc.timesteps} steps, guidance {args.guidance}"
     print(f"wrote {args.out} and {npz}: {what}")
+    print(f"sampling: {speed['img_per_s']:.3g} img/s, {speed['s_per_img']:.3g} s/image, "
+          f"{speed['nfe_per_image']:.0f} network evaluations per image ({speed['nfe_per_s']:.3g}/s), peak memory "
+          f"{speed['peak_memory_bytes'] / 2**20:.0f} MiB ({speed['peak_memory']})")
+    run = {"n": args.n, "sampler": args.sampler, "steps": args.steps or mc.timesteps, "guidance": args.guidance,
+           "batch": args.batch, "device": str(device), "autocast": precision, **speed}
+    if args.eval == "samples":
+        write_json(run, args.out)
+        return run
     if args.eval == "fid":
         feats, logits = evaluate.features(extractor, images.split(args.batch), device)
-        result = {**evaluate.fid_metrics(feats, logits, ref), "n": args.n,
-                  "reference": f"{dataset} train, {int(ref['n'])} images",
-                  "sampler": args.sampler, "steps": args.steps or mc.timesteps, "guidance": args.guidance,
-                  "feature_extractor": "torch-fidelity inception-v3-compat"}
+        result = {**evaluate.fid_metrics(feats, logits, ref), "reference": f"{dataset} train, {int(ref['n'])} images",
+                  **run, "feature_extractor": "torch-fidelity inception-v3-compat"}
         path = write_json(result, args.out)
         extra = "".join(f", {k} {result[k]:.4f}" for k in ("inception_score", "precision", "recall")
                         if k in result)
         print(f"FID {result['fid']:.3f} ({args.n} samples vs {result['reference']}){extra}; wrote {path}")
         return result
+
+
+def sampling_speed(n, evaluated, seconds, device):
+    """img/s, s/image, network evaluations (images through the network) per image and per second, and the
+    peak memory: the device's allocations on a GPU, the process's resident set on a CPU."""
+    if device.type == "cuda":
+        peak, what = torch.cuda.max_memory_allocated(device), "CUDA allocated"
+    else:
+        import resource
+
+        peak, what = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process max RSS"
+    return {"seconds": seconds, "img_per_s": n / seconds, "s_per_img": seconds / n, "nfe_per_image": evaluated / n,
+            "nfe_per_s": evaluated / seconds, "peak_memory_bytes": peak, "peak_memory": what}
 
 
 def check_output(out):

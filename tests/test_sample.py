@@ -57,3 +57,13 @@ def test_eval_bpd_on_held_out_images(run_dir, tmp_path):
     assert 0 < exact["bpd"] < 50 and exact["n"] == 32 and exact["dataset"] == "shapes"
     assert est["estimator_se"] > 0 and abs(est["bpd"] - exact["bpd"]) < 5 * est["estimator_se"] + 0.05
     assert json.load(open(tmp_path / "bpd.json"))["strata"] == 10
+
+
+def test_sampling_speed_is_reported(run_dir, tmp_path, capsys):
+    run = sample.main(["--ckpt", str(run_dir / "ema.pt"), "--n", "6", "--batch", "4", "--sampler", "ddim",
+                       "--steps", "3", "--guidance", "2", "--out", str(tmp_path / "g.png")])
+    assert run == json.loads((tmp_path / "g.json").read_text())
+    assert run["nfe_per_image"] == 6  # 3 steps, each a guided pair of evaluations
+    assert run["img_per_s"] > 0 and run["s_per_img"] == pytest.approx(1 / run["img_per_s"])
+    assert run["nfe_per_s"] == pytest.approx(6 * run["img_per_s"]) and run["peak_memory_bytes"] > 2**20
+    assert "network evaluations per image" in capsys.readouterr().out
