@@ -89,6 +89,7 @@ class TrainerConfig:  # the run
     fid_stats_dir: str = "data/fid_stats"               # where the training set's FID reference statistics are cached
     num_workers: int = 2                                # FFCV loader threads
     batch_size: int = 128                               # global batch size, images per optimizer step
+    grad_accum_steps: int = 1                           # micro-batches per optimizer step and rank (the batch is split, not grown)
     max_steps: int = 800_000                            # optimizer steps to train for
     lr: float = 2e-4                                    # peak AdamW learning rate
     warmup_steps: int = 5000                            # linear LR warm-up, in steps; 0 = none
@@ -101,7 +102,7 @@ class TrainerConfig:  # the run
     ema_decay: float = 0.9999                           # EMA of the weights, per step; 0 = the EMA is a copy of the model
     ema_warmup: bool = True                             # ramp the EMA decay as min(ema_decay, (1+step)/(10+step))
     hflip: bool = True                                  # random horizontal flips
-    precision: Literal["auto", "bf16", "tf32", "fp32"] = "auto"  # bf16 autocast / fp32 with TF32 / true fp32; auto = bf16 where the hardware has it
+    precision: Literal["auto", "bf16", "fp16", "tf32", "fp32"] = "auto"  # bf16 / fp16 (+ loss scaling) autocast, fp32 with TF32, true fp32; auto = bf16 where the hardware has it, fp16 on older GPUs
     compile: bool = True                                # torch.compile the network
     compile_mode: Literal["default", "max-autotune", "reduce-overhead"] = "default"  # torch.compile mode; reduce-overhead = CUDA graphs
     channels_last: Literal["auto", "true", "false"] = "auto"  # NHWC activations and weights; auto = true, except bf16 on a CPU (NCHW is faster there)
@@ -212,7 +213,8 @@ BOUNDS = {
     "num_res_blocks": (1, None), "attn_heads": (0, None), "attn_head_dim": (0, None), "dropout": (0, 1),
     "num_classes": (0, None), "p_uncond": (0, 1), "timesteps": (2, None), "beta_start": (0, 1),
     "beta_end": (0, 1), "min_snr_gamma": (1e-12, None), "split_timestep": (0, None), "split_snr": (0, None),
-    "shapes_count": (1, None), "num_workers": (1, None), "batch_size": (1, None), "max_steps": (0, None),
+    "shapes_count": (1, None), "num_workers": (1, None), "batch_size": (1, None), "grad_accum_steps": (1, None),
+    "max_steps": (0, None),
     "lr": (0, None), "warmup_steps": (0, None), "weight_decay": (0, None), "adam_beta1": (0, 1),
     "adam_beta2": (0, 1), "grad_clip": (0, None), "max_nonfinite_steps": (1, None), "ema_decay": (0, 1),
     "cpu_threads": (0, None), "log_every_steps": (1, None), "sample_every_steps": (0, None),
@@ -276,6 +278,8 @@ def validate(mc, tc):
     check(1 <= tc.eval_bpd_strata <= mc.timesteps - 1,
           f"eval_bpd_strata must lie in [1, timesteps-1={mc.timesteps - 1}]")
     check(tc.eval_fid_samples != 1, "eval_fid_samples must be 0 or >= 2 (a covariance needs two samples)")
+    check(tc.batch_size % tc.grad_accum_steps == 0,
+          f"batch_size {tc.batch_size} does not divide into grad_accum_steps={tc.grad_accum_steps} micro-batches")
 
 
 def parse_args(argv):
@@ -464,7 +468,19 @@ class Diffusion(torch.nn.Module):
             raise ValueError(f"unknown threshold '{threshold}'")
         return x0, (z - a * x0) / s
 
-    def loss(self, model, x0, y=None, shard=(0, 1)):
+    def draw(self, x0, labels, shard=(0, 1)):
+        """The loss's randomness for this rank's rows of the global batch (x0 holds them): t ~ U{t_range},
+        ε ~ N(0, I), and with labels the uniforms of the label dropout (else None). Drawn for the whole global
+        batch from the same stream on every rank, keeping rows rank::world."""
+        rank, world = shard
+        B = x0.shape[0] * world
+        # a split expert sees only its own range
+        t = torch.randint(*self.t_range, (B,), device=x0.device)[rank::world]
+        noise = torch.randn((B, *x0.shape[1:]), device=x0.device, dtype=x0.dtype)[rank::world]
+        u = torch.rand(B, device=x0.device)[rank::world] if labels and self.cfg.p_uncond > 0 else None
+        return t, noise, u
+
+    def loss(self, model, x0, y=None, shard=(0, 1), draws=None):
         """L = mean_b w_t ‖target − model(z_t, t, y)‖² / D, t ~ U{0..T-1}, ε ~ N(0, I)
         (Ho et al. Algorithm 1).
 
@@ -473,18 +489,14 @@ class Diffusion(torch.nn.Module):
         Under DDP, shard = (rank, world): every rank draws t, ε and the label dropout for the whole
         global batch from the same seeded stream and keeps rows rank::world, the rows of its own images
         (data.shard), so a run does not depend on how many processes share it.
-        Afterwards self.last_t and self.last_losses hold the timesteps and the per-sample
-        losses (detached) for per-quartile logging.
+        draws: (t, ε, dropout uniforms) from self.draw for exactly these rows (micro-batches of one batch);
+        None draws them here. Afterwards self.last_t and self.last_losses hold the timesteps and the
+        per-sample losses (detached) for per-quartile logging.
         """
-        rank, world = shard
-        B = x0.shape[0] * world
-        # a split expert sees only its own range
-        t = torch.randint(*self.t_range, (B,), device=x0.device)[rank::world]
-        noise = torch.randn((B, *x0.shape[1:]), device=x0.device, dtype=x0.dtype)[rank::world]
+        t, noise, u = draws if draws is not None else self.draw(x0, y is not None, shard)
         z = self.q_sample(x0, t, noise)
-        if y is not None and self.cfg.p_uncond > 0:
-            drop = torch.rand(B, device=x0.device)[rank::world] < self.cfg.p_uncond
-            y = torch.where(drop, torch.full_like(y, self.cfg.num_classes), y)
+        if u is not None:
+            y = torch.where(u < self.cfg.p_uncond, torch.full_like(y, self.cfg.num_classes), y)
         out = model(z, t, y).float()
         mse = (out - self.target(x0, noise, t)).pow(2).flatten(1).mean(1)  # (B,)
         losses = self.loss_weight[t].float() * mse
@@ -686,10 +698,13 @@ def dynamic_threshold(x0, percentile=0.995):
 # Dense peak FLOP/s by precision, from the vendors' datasheets (no sparsity). 'fp32' is the
 # non-tensor-core rate, 'tf32' the tensor-core rate with fp32 inputs. Matched by name, in order.
 PEAK_FLOPS = [
-    ("H200", {"bf16": 989e12, "tf32": 494.7e12, "fp32": 66.9e12}),
-    ("H100 PCIe", {"bf16": 756e12, "tf32": 378e12, "fp32": 51.2e12}),
-    ("H100", {"bf16": 989e12, "tf32": 494.7e12, "fp32": 66.9e12}),  # SXM
-    ("A100", {"bf16": 312e12, "tf32": 156e12, "fp32": 19.5e12}),
+    ("H200", {"bf16": 989e12, "fp16": 989e12, "tf32": 494.7e12, "fp32": 66.9e12}),
+    ("H100 PCIe", {"bf16": 756e12, "fp16": 756e12, "tf32": 378e12, "fp32": 51.2e12}),
+    ("H100", {"bf16": 989e12, "fp16": 989e12, "tf32": 494.7e12, "fp32": 66.9e12}),  # SXM
+    ("A100", {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12}),
+    ("V100", {"fp16": 125e12, "tf32": 15.7e12, "fp32": 15.7e12}),  # SXM2; no bf16, no TF32: 'tf32' is plain fp32
+    ("T4", {"fp16": 65e12, "tf32": 8.1e12, "fp32": 8.1e12}),
+    ("P100", {"fp16": 21.2e12, "tf32": 10.6e12, "fp32": 10.6e12}),  # SXM2
 ]
 
 
@@ -698,7 +713,7 @@ def datasheet_peak(device, precision):
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    return next((peaks[precision] for key, peaks in PEAK_FLOPS if key in name), None)
+    return next((peaks.get(precision) for key, peaks in PEAK_FLOPS if key in name), None)
 
 
 _matmul_cache = {}
@@ -741,11 +756,12 @@ def cpu_has_bf16():
 
 
 def resolve_precision(precision, device):
-    """'auto' -> 'bf16' on CUDA devices with bf16 and on CPUs with AVX512-BF16/AMX, else 'fp32'."""
+    """'auto' -> 'bf16' on CUDA devices with bf16 and on CPUs with AVX512-BF16/AMX; 'fp16' (with loss
+    scaling) on older GPUs (V100, T4, P100), whose fp16 tensor cores are their fast path; else 'fp32'."""
     if precision != "auto":
         return precision
     if device.type == "cuda":
-        return "bf16" if torch.cuda.is_bf16_supported() else "tf32"
+        return "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16"
     return "bf16" if device.type == "cpu" and cpu_has_bf16() else "fp32"
 
 
@@ -755,7 +771,7 @@ def peak_flops(device, precision):
     peak = datasheet_peak(device, precision)
     if peak is not None:
         return peak, f"datasheet {torch.cuda.get_device_name(device)} {precision}"
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    dtype = AUTOCAST_DTYPES.get(precision, torch.float32)
     return measure_matmul_flops(device, dtype), f"measured {dtype} matmul on {device.type}"
 
 
@@ -823,8 +839,18 @@ class StepTimer:
 # One optimisation step: shared by the training loop and benchmark.py.
 
 
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # the precisions that run under autocast
+
+
 def autocast(device, precision):
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+    return torch.autocast(device.type, dtype=AUTOCAST_DTYPES.get(precision, torch.float32),
+                          enabled=precision in AUTOCAST_DTYPES)
+
+
+def grad_scaler(device, precision):
+    """fp16 needs loss scaling (its range ends at 65504; small gradients underflow): torch.amp.GradScaler,
+    dynamic. None for the other precisions. Its state is part of the checkpoint."""
+    return torch.amp.GradScaler(device.type) if precision == "fp16" else None
 
 
 def autocast_model(model, device, precision):
@@ -836,7 +862,7 @@ def autocast_model(model, device, precision):
 
 
 def set_matmul_precision(precision):
-    """'fp32' is true fp32 everywhere; 'tf32' and 'bf16' let fp32 matmuls and convs use TF32 tensor cores."""
+    """'fp32' is true fp32 everywhere; the others let fp32 matmuls and convs use TF32 tensor cores."""
     tf32 = precision != "fp32"
     torch.backends.cuda.matmul.allow_tf32 = tf32
     torch.backends.cudnn.allow_tf32 = tf32
@@ -870,17 +896,45 @@ def make_optimizer(model, tc, device):
                              weight_decay=tc.weight_decay, fused=fused)
 
 
-def train_step(model, diffusion, opt, x0, y, precision, grad_clip, shard=(0, 1), channels_last=False):
+def train_step(model, diffusion, opt, x0, y, precision, grad_clip, shard=(0, 1), channels_last=False,
+               accum_steps=1, scaler=None):
     """Forward, backward, clip, AdamW step, all without a host sync. Returns (loss, grad norm, ok) as
     device tensors. A non-finite loss or gradient (on any rank) skips the update: `ok` is then 0, and
-    the fused AdamW kernel leaves weights, moments and its step count untouched (its found_inf input)."""
+    the fused AdamW kernel leaves weights, moments and its step count untouched (its found_inf input).
+
+    accum_steps k: the rank's batch runs as k micro-batches, each loss scaled by 1/k, gradients summed, and
+    under DDP all-reduced once, after the last (no_sync before it). The noise, timesteps and label dropout
+    are drawn once for the whole batch, so k micro-batches train as one big batch does, to float rounding.
+    scaler (fp16): the loss is scaled before backward and the gradients unscaled before clipping; an
+    overflow shows as a non-finite gradient norm, so it is skipped by the same `ok` (one skip mechanism),
+    and the scaler then lowers its scale."""
     # a new iteration for CUDA graphs (compile_mode reduce-overhead)
     torch.compiler.cudagraph_mark_step_begin()
     # a no-op where the loader's layout is the model's
     x0 = x0.contiguous(memory_format=memory_format(channels_last))
-    with autocast(x0.device, precision):
-        loss = diffusion.loss(model, x0, y, shard)
-    loss.backward()
+    backward = (lambda loss: scaler.scale(loss).backward()) if scaler else (lambda loss: loss.backward())
+    if accum_steps == 1:
+        with autocast(x0.device, precision):
+            loss = diffusion.loss(model, x0, y, shard)
+        backward(loss)
+    else:
+        draws, m = diffusion.draw(x0, y is not None, shard), len(x0) // accum_steps
+        parts, ts, losses = [], [], []
+        for i in range(accum_steps):
+            rows = slice(i * m, (i + 1) * m)
+            last = i == accum_steps - 1
+            with contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync():
+                with autocast(x0.device, precision):
+                    part = diffusion.loss(model, x0[rows], y[rows] if y is not None else None, shard,
+                                          [d[rows] if d is not None else None for d in draws])
+                backward(part / accum_steps)
+            parts.append(part.detach())
+            ts.append(diffusion.last_t)
+            losses.append(diffusion.last_losses)
+        loss = torch.stack(parts).mean()
+        diffusion.last_t, diffusion.last_losses = torch.cat(ts), torch.cat(losses)
+    if scaler:
+        scaler.unscale_(opt)
     params = [p for g in opt.param_groups for p in g["params"]]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
     ok = (torch.isfinite(loss) & torch.isfinite(grad_norm)).float()
@@ -892,6 +946,8 @@ def train_step(model, diffusion, opt, x0, y, precision, grad_clip, shard=(0, 1),
         opt.step()
     elif ok.item():  # unfused optimizers cannot skip on the device
         opt.step()
+    if scaler:
+        scaler.update()  # from the overflow check unscale_ recorded: lower the scale, or grow it in time
     opt.zero_grad(set_to_none=True)
     return loss.detach(), grad_norm, ok
 
@@ -1091,6 +1147,9 @@ def distributed_setup(tc):
     if tc.batch_size % world:
         raise ConfigError(f"batch_size {tc.batch_size} does not divide by the {world} processes "
                           "(it is the global batch, split evenly across them)")
+    if tc.batch_size // world % tc.grad_accum_steps:
+        raise ConfigError(f"each process's batch of {tc.batch_size // world} does not divide into "
+                          f"grad_accum_steps={tc.grad_accum_steps} micro-batches")
     import torch.distributed as dist
 
     rank = int(os.environ["RANK"])
@@ -1231,7 +1290,7 @@ def load_resume_checkpoint(out_dir, device):
         return load_checkpoint(prev, device), prev
 
 
-def restore(ckpt, path, mc, model, ema, opt, loader, world):
+def restore(ckpt, path, mc, model, ema, opt, loader, world, scaler=None):
     """Load a resumable checkpoint into the run's objects: weights, EMA, optimizer, data position, RNG
     states. -> its step. A checkpoint of a different model is one ConfigError line."""
     try:
@@ -1248,6 +1307,8 @@ def restore(ckpt, path, mc, model, ema, opt, loader, world):
     model.load_state_dict(model_state)
     ema.load_state_dict(ema_state)
     opt.load_state_dict(opt_state)
+    if scaler is not None and ckpt.get("scaler"):  # fp16's loss scale goes on where it was: resume stays bitwise
+        scaler.load_state_dict(ckpt["scaler"])
     saved_world = ckpt.get("world_size", 1)
     if saved_world != world:  # the position counts per-rank images: keep the same place in the epoch
         per_rank = position["index"] * saved_world // world
@@ -1317,6 +1378,8 @@ def train(mc, tc, preset="custom"):
     precision = resolve_precision(tc.precision, device)
     if lead and precision == "bf16" and device.type == "cpu" and not cpu_has_bf16():
         print("warning: this CPU has no AVX512-BF16/AMX; bf16 will run far slower than --precision=fp32")
+    if lead and precision == "fp16" and device.type == "cpu":
+        print("note: fp16 on a CPU runs for testing the loss-scaling path; it is not faster than fp32 there")
     if lead and tc.compile and device.type == "cpu":
         print("note: torch.compile takes minutes on a CPU and measured no faster than eager there "
               "(BENCHMARKS.md); --compile=false skips it")
@@ -1354,6 +1417,7 @@ def train(mc, tc, preset="custom"):
     ema = copy.deepcopy(model).requires_grad_(False).eval()
     diffusion = Diffusion(mc).to(device)
     opt = make_optimizer(model, tc, device)
+    scaler = grad_scaler(device, precision)  # fp16 only
     step = 0
     if tc.init_from and not tc.resume:  # warm start, e.g. one expert from the other's checkpoint
         src, src_mc, _ = load_ema(tc.init_from, device)  # the averaged weights are the better starting point
@@ -1367,7 +1431,7 @@ def train(mc, tc, preset="custom"):
         say(f"initialised from {tc.init_from}" + (f" (a model with {', '.join(differ)})" if differ else ""))
     if tc.resume:
         ckpt, path = load_resume_checkpoint(out_dir, device)
-        step = restore(ckpt, path, mc, model, ema, opt, loader, world)
+        step = restore(ckpt, path, mc, model, ema, opt, loader, world, scaler)
         say(f"resumed {out_dir} from {os.path.basename(path)} at step {step}")
     net = model
     if world > 1:
@@ -1426,6 +1490,7 @@ def train(mc, tc, preset="custom"):
         rng = {"torch": torch.get_rng_state(),
                "cuda": torch.cuda.get_rng_state_all() if device.type == "cuda" else []}
         state = {"model": model.state_dict(), "ema": ema.state_dict(), "optimizer": opt.state_dict(),
+                 "scaler": scaler.state_dict() if scaler else None,
                  "loader": loader.state_dict(), "world_size": world, "step": step, "rng": rng,
                  "nonfinite_skipped": skipped_total + int(tally.skipped.item()),
                  "model_config": asdict(mc), "trainer_config": asdict(tc)}
@@ -1491,7 +1556,7 @@ def train(mc, tc, preset="custom"):
                 timer.start()
             x0, y = loader.next()
             loss, grad_norm, ok = train_step(forward, diffusion, opt, x0, y, precision, tc.grad_clip,
-                                             (rank, world), channels_last)
+                                             (rank, world), channels_last, tc.grad_accum_steps, scaler)
 
             # 4. EMA
             ema_update(ema, model, ema_decay_at(step, tc) if tc.ema_decay > 0 else 0.0, ok)

@@ -36,13 +36,14 @@ def free_port():
         return s.getsockname()[1]
 
 
-def test_two_gloo_processes_equal_one_with_the_same_global_batch(tmp_path):
+def test_two_gloo_processes_with_accumulation_equal_one_with_the_same_global_batch(tmp_path):
     loader = "ffcv" if data.ffcv_available() else "torch"  # FFCV in its distributed mode where it is installed
     common = ["--num_classes=4", "--batch_size=16", "--max_steps=6", "--log_every_steps=3", f"--loader={loader}",
               f"--beton_dir={tmp_path / 'betons'}", "--sample_every_steps=3",  # grids and bits/dim, split across ranks
               "--eval_every_steps=3", "--eval_fid_samples=0", "--eval_bpd_images=12", "--eval_bpd_strata=2"]
     ddpm.main([*TINY, *common, f"--out_dir={tmp_path / 'one'}"])  # in this process; the pair under torchrun below
-    two = cli(*common, f"--out_dir={tmp_path / 'two'}", launcher=(
+    # and each rank's 8 images as 2 micro-batches of 4 (DDP's no_sync on the first): still the same training
+    two = cli(*common, "--grad_accum_steps=2", f"--out_dir={tmp_path / 'two'}", launcher=(
         sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
         "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}"))
     assert two.returncode == 0, two.stderr[-3000:]

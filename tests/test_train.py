@@ -92,3 +92,59 @@ def test_ema_update_is_the_lerp_and_skips_where_ok_is_zero(ok):
     for e, b, p in zip(ema.parameters(), before, model.parameters()):
         want = b if ok == 0.0 else 0.9 * b + 0.1 * p
         torch.testing.assert_close(e, want)
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_gradient_accumulation_equals_one_big_batch(k):
+    """k micro-batches with the loss scaled by 1/k: the big batch's loss, per-sample losses and gradients (read
+    off an SGD step of lr 1, which moves every weight by its gradient)."""
+    mc = tiny_model(num_classes=4, dropout=0.0)
+    diffusion = ddpm.Diffusion(mc)
+    x0, y = torch.rand(8, 3, 16, 16) * 2 - 1, torch.arange(8) % 4
+    out = []
+    for steps in (1, k):
+        torch.manual_seed(0)
+        model = UNet(mc)
+        before = [p.detach().clone() for p in model.parameters()]
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        torch.manual_seed(1)
+        loss, _, ok = ddpm.train_step(model, diffusion, opt, x0, y, "fp32", 0.0, accum_steps=steps)
+        grads = [b - p.detach() for b, p in zip(before, model.parameters())]
+        out.append((loss, grads, diffusion.last_t.clone(), diffusion.last_losses.clone()))
+    (l1, g1, t1, s1), (lk, gk, tk, sk) = out
+    assert torch.equal(t1, tk)  # the same timesteps, noise and label dropout: drawn once per batch
+    torch.testing.assert_close(sk, s1, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lk, l1, rtol=1e-5, atol=1e-6)
+    for a, b in zip(gk, g1):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_fp16_with_loss_scaling_trains_skips_overflows_and_resumes_bitwise(tmp_path, monkeypatch):
+    """fp16 autocast with a dynamic GradScaler (on the CPU here): it learns; an overflowing step is skipped once
+    (the scaler halves its scale, the step counts as one non-finite skip, not two); the scale is checkpointed."""
+    out = tmp_path / "run"
+    train(tiny_model(), tiny_trainer(out, max_steps=30, precision="fp16"), preset="test")
+    rows = read_metrics(out)
+    assert rows[-1]["loss"] < 0.5 * rows[0]["loss"] and all(r["nonfinite_skipped"] == 0 for r in rows)
+    ckpt = torch.load(out / "ckpt.pt", weights_only=True)
+    assert ckpt["scaler"]["scale"] > 0
+    # resume is bitwise: 4 more steps after a restart equal 4 more steps straight on
+    straight = tmp_path / "straight"
+    train(tiny_model(), tiny_trainer(straight, max_steps=34, precision="fp16"), preset="test")
+    train(tiny_model(), tiny_trainer(out, max_steps=34, precision="fp16", resume=True), preset="test")
+    a, b = (torch.load(p / "ckpt.pt", weights_only=True) for p in (out, straight))
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"]) and a["scaler"] == b["scaler"]
+
+
+def test_fp16_overflow_is_one_skip_and_lowers_the_scale():
+    mc = tiny_model(dropout=0.0)
+    model, diffusion = UNet(mc), ddpm.Diffusion(mc)
+    opt = ddpm.make_optimizer(model, ddpm.TrainerConfig(), torch.device("cpu"))
+    scaler = ddpm.grad_scaler(torch.device("cpu"), "fp16")
+    scaler._init_scale = 2.0**100  # a scale that overflows fp16 gradients for certain
+    before = [p.detach().clone() for p in model.parameters()]
+    x0 = torch.rand(4, 3, 16, 16) * 2 - 1
+    loss, norm, ok = ddpm.train_step(model, diffusion, opt, x0, None, "fp16", 1.0, scaler=scaler)
+    assert ok.item() == 0 and torch.isfinite(loss)  # the loss was fine; the scaled gradients were not
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))  # skipped: nothing moved
+    assert scaler.get_scale() == 2.0**99  # and the scaler backed off, once
