@@ -70,17 +70,27 @@ def test_two_gloo_processes_with_accumulation_equal_one_with_the_same_global_bat
     assert json.load(open(tmp_path / "two" / "config.json"))["resolved"]["world_size"] == 2
 
 
-def test_sigterm_to_one_rank_stops_both_after_the_same_step(tmp_path):
-    """Preemption reaches one worker: the ranks agree (gloo all-reduce), both stop, rank 0 saves, torchrun exits 0."""
-    run = tmp_path / "run"
+def wait_for_metrics(run, lines):
+    metrics, deadline = run / "metrics.jsonl", time.time() + 300
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < lines):
+        time.sleep(0.2)
+
+
+def endless_torchrun(run):
+    """2 gloo workers training until they are stopped; returned once they have logged 2 steps."""
     p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
                           "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", "ddpm.py", *TINY,
                           "--batch_size=8", "--loader=torch", "--log_every_steps=1", "--max_steps=100000",
-                          f"--out_dir={run}"], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    metrics = run / "metrics.jsonl"
-    deadline = time.time() + 300
-    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 2):
-        time.sleep(0.2)
+                          f"--out_dir={run}"], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    wait_for_metrics(run, 2)
+    return p
+
+
+def test_sigterm_to_one_rank_stops_both_after_the_same_step(tmp_path):
+    """Preemption reaches one worker: the ranks agree (gloo all-reduce), both stop, rank 0 saves, torchrun exits 0."""
+    run = tmp_path / "run"
+    p = endless_torchrun(run)
     workers = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
     assert len(workers) == 2
     os.kill(int(workers[-1]), signal.SIGTERM)  # one of them only
@@ -89,7 +99,7 @@ def test_sigterm_to_one_rank_stops_both_after_the_same_step(tmp_path):
     assert "stopped by" in out and "Traceback" not in err
     ckpt = weights(run)
     assert ckpt["world_size"] == 2 and ckpt["step"] >= 2
-    assert json.loads(metrics.read_text().splitlines()[-1])["step"] <= ckpt["step"]
+    assert read_metrics(run)[-1]["step"] <= ckpt["step"]
 
 
 def test_sigterm_to_the_torchrun_launcher_saves_and_resume_continues(tmp_path):
@@ -97,14 +107,7 @@ def test_sigterm_to_the_torchrun_launcher_saves_and_resume_continues(tmp_path):
     with a checkpoint; torchrun itself then exits non-zero with its own SignalException traceback (its behaviour,
     not a failed save: README). The checkpoint is complete and --resume continues it."""
     run = tmp_path / "run"
-    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
-                          "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", "ddpm.py", *TINY,
-                          "--batch_size=8", "--loader=torch", "--log_every_steps=1", "--max_steps=100000",
-                          f"--out_dir={run}"], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    metrics = run / "metrics.jsonl"
-    deadline = time.time() + 300
-    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 2):
-        time.sleep(0.2)
+    p = endless_torchrun(run)
     p.send_signal(signal.SIGTERM)
     out, err = p.communicate(timeout=300)
     assert "stopped by SIGTERM" in out and "checkpoint saved" in out, err[-3000:]
@@ -127,10 +130,7 @@ def test_sigterm_saves_then_resume_is_bitwise_a_straight_run(tmp_path):
     args = ["--batch_size=8", "--log_every_steps=1", "--warmup_steps=0", "--loader=torch"]
     p = subprocess.Popen([sys.executable, "ddpm.py", *TINY, *args, "--max_steps=100000", f"--out_dir={run}"],
                          cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    metrics = run / "metrics.jsonl"
-    deadline = time.time() + 300
-    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
-        time.sleep(0.2)
+    wait_for_metrics(run, 3)
     p.send_signal(signal.SIGTERM)
     out, err = p.communicate(timeout=300)
     assert p.returncode == 0, err
