@@ -1,12 +1,14 @@
 """Ho et al.'s network against diffusers' UNet2DModel (the oracle), and the diffusers folder format both ways."""
 import dataclasses
 import json
+import re
 
 import numpy as np
 import pytest
 import torch
 from conftest import tiny_model, tiny_trainer
 
+import ddpm
 import diffusers_io
 import sample
 import unet
@@ -154,7 +156,7 @@ def test_configs_our_unet_cannot_express_are_one_line(tmp_path, capsys, file, ch
         sample.main(["--ckpt", str(tmp_path / "hub"), "--n", "1"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("error: "), err
-    assert __import__("re").search(needle, err), err
+    assert re.search(needle, err), err
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -185,3 +187,22 @@ def test_init_from_a_diffusers_folder(tmp_path):
     ckpt = torch.load(f"{out}/ckpt.pt", weights_only=True)
     for key in ("model", "ema"):
         assert all(torch.equal(a, ckpt[key][k]) for k, a in src.state_dict().items()), key
+
+
+def test_sharded_safetensors_load(tmp_path):
+    """A large export is sharded: diffusion_pytorch_model-0000N-of-0000M.safetensors and an index.json."""
+    from safetensors.torch import load_file, save_file
+
+    ours = randomise(UNet(wide()))
+    diffusers_io.write(str(tmp_path / "hub"), ours, wide())
+    state = load_file(str(tmp_path / "hub" / diffusers_io.WEIGHTS))
+    (tmp_path / "hub" / diffusers_io.WEIGHTS).unlink()
+    names = sorted(state)
+    shards = {"diffusion_pytorch_model-00001-of-00002.safetensors": names[::2],
+              "diffusion_pytorch_model-00002-of-00002.safetensors": names[1::2]}
+    for file, keys in shards.items():
+        save_file({k: state[k] for k in keys}, str(tmp_path / "hub" / file))
+    index = {"weight_map": {k: file for file, keys in shards.items() for k in keys}}
+    (tmp_path / "hub" / (diffusers_io.WEIGHTS + ".index.json")).write_text(json.dumps(index))
+    model, _, _ = ddpm.load_ema(str(tmp_path / "hub"), "cpu")
+    assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), model.state_dict().values()))
