@@ -41,76 +41,24 @@ ours 37.3 counted GFLOP per training image; every run in BENCHMARKS.md):
   2 cores AMD EPYC AVX2 only, two runs: theirs fp32 52-54, theirs bf16+cl 5.6 (emulated); ours fp32 73-80:
   1.4-1.5x theirs fp32.
 
-Timing: --warmup untimed steps per configuration (compilation included; its time is printed), then --timed
-rounds that interleave the configurations (ABCABC...), so slow drift and load from other processes fall on all of
-them alike. Each step records how many cores other processes kept busy meanwhile (/proc/stat minus this process's
-CPU time). On 2 cores one busy neighbour makes the 2-thread step several times slower (each parallel region waits
-for a descheduled thread), so a step with others > --contended counts as contended: after --timed rounds, the
-configurations short of --timed uncontended steps run again (within --budget_s), and the median is taken over
-the uncontended steps where there are two or more, else over all of them (flagged in the table).
+Timing (scripts/cpu_timing.py, shared with cpu_vs_diffusers.py): --warmup untimed steps per configuration
+(compilation included; its time is printed), then --timed rounds that interleave the configurations (ABCABC...).
+Each step records how many cores other processes kept busy meanwhile (/proc/stat minus this process's CPU time); a
+step with others > --contended counts as contended: after --timed rounds, the configurations short of --timed
+uncontended steps run again (within --budget_s), and the median is taken over the uncontended steps where there are
+two or more, else over all of them (flagged in the table).
 """
 import argparse
 import copy
-import datetime
 import importlib
-import importlib.metadata
-import json
-import os
-import statistics
-import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import cpu_timing
+from cpu_timing import CPU, count_flops
 
-import torch  # noqa: E402
+import torch
 
-CPU = torch.device("cpu")
 IMAGE_SIZE = 32
-
-
-def version(pkg):
-    try:
-        return importlib.metadata.version(pkg)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-class LoadMeter:
-    """Cores kept busy by other processes between start() and stop(): all busy jiffies minus our own CPU time."""
-
-    HZ = os.sysconf("SC_CLK_TCK")
-
-    @staticmethod
-    def _busy():
-        try:
-            with open("/proc/stat") as f:
-                v = [int(x) for x in f.readline().split()[1:]]
-            return (sum(v[:8]) - v[3] - v[4]) / LoadMeter.HZ  # all minus idle and iowait, seconds
-        except OSError:
-            return float("nan")
-
-    def start(self):
-        t = os.times()
-        self.t0, self.cpu0, self.busy0 = time.perf_counter(), t.user + t.system, self._busy()
-
-    def stop(self):
-        """-> (wall seconds, our cores used, other processes' cores used)."""
-        wall = time.perf_counter() - self.t0
-        t = os.times()
-        own = t.user + t.system - self.cpu0
-        return wall, own / wall, max(0.0, (self._busy() - self.busy0 - own) / wall)
-
-
-def git_state():
-    """HEAD and whether tracked files differ from it (read-only git calls): what 'ours' was measured at."""
-    import subprocess
-
-    try:
-        run = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()  # noqa: E731
-        return {"head": run("rev-parse", "HEAD") or None, "dirty": bool(run("status", "--porcelain", "--untracked-files=no"))}
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 # ----------------------------------------------------------------------------- theirs
@@ -147,15 +95,12 @@ def build_theirs(batch, channels_last, bf16, flash=True):
 def count_theirs():
     """Counted training FLOPs per image (forward + backward of GaussianDiffusion's loss), math attention."""
     from denoising_diffusion_pytorch import GaussianDiffusion, Unet
-    from torch.utils.flop_counter import FlopCounterMode
 
     torch.manual_seed(0)
     diffusion = GaussianDiffusion(Unet(dim=64, dim_mults=(1, 2, 4, 8), flash_attn=False), image_size=IMAGE_SIZE,
                                   timesteps=1000)
     x = torch.rand(2, 3, IMAGE_SIZE, IMAGE_SIZE)
-    with FlopCounterMode(display=False) as c:
-        diffusion(x).backward()
-    return c.get_total_flops() / 2
+    return count_flops(lambda: diffusion(x).backward(), 2)
 
 
 # ----------------------------------------------------------------------------- ours
@@ -187,15 +132,12 @@ def count_ours():
     and ddpm.train_flops_per_image (the meta-device count ddpm.py reports) beside it."""
     import ddpm
     from unet import UNet
-    from torch.utils.flop_counter import FlopCounterMode
 
     torch.manual_seed(0)
     mc = ddpm.ModelConfig()
     model, diffusion = UNet(mc, attention="math"), ddpm.Diffusion(mc)
     x = torch.rand(2, mc.channels, mc.image_size, mc.image_size) * 2 - 1
-    with FlopCounterMode(display=False) as c:
-        diffusion.loss(model, x).backward()
-    return c.get_total_flops() / 2, ddpm.train_flops_per_image(mc, "sdpa")
+    return count_flops(lambda: diffusion.loss(model, x).backward(), 2), ddpm.train_flops_per_image(mc, "sdpa")
 
 
 # ----------------------------------------------------------------------------- main
@@ -221,18 +163,10 @@ def main(argv=None):
                    help="our configurations, MODE:BATCH, comma-separated; MODE: one or more of eager, cl "
                         "(channels_last), compile, bf16 (autocast) joined by '+'")
     p.add_argument("--theirs_batch", type=int, default=16, help="their batch (Trainer default 16)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per configuration (compilation included)")
-    p.add_argument("--timed", type=int, default=5, help="timed, interleaved rounds")
     p.add_argument("--bf16_timed", type=int, default=0,
                    help="timed rounds of 'theirs bf16+cl'; 0 = --timed on a CPU with bf16 hardware, else 2 (emulated bf16 is slow)")
     p.add_argument("--no_bf16", action="store_true", help="leave 'theirs bf16+cl' out")
-    p.add_argument("--contended", type=float, default=0.25,
-                   help="a timed step during which other processes kept more than this many cores busy is contended")
-    p.add_argument("--budget_s", type=float, default=300,
-                   help="seconds the timed phase may run on past --timed rounds, re-running configurations that have "
-                        "fewer than --timed uncontended steps")
-    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
-    p.add_argument("--json", help="write every measurement to this file")
+    cpu_timing.add_args(p)
     args = p.parse_args(argv)
 
     try:
@@ -242,95 +176,44 @@ def main(argv=None):
               "pip install --no-deps denoising-diffusion-pytorch einops ema-pytorch accelerate pytorch-fid safetensors pyyaml")
         return None
 
-    import ddpm
-
     torch.set_num_threads(args.threads)
     t_start = time.time()
-    env = {"date": str(datetime.date.today()), "git": git_state(), "cpu": ddpm.cpu_name(), "cores": os.cpu_count(), "threads": args.threads,
-           "cpu_bf16_hardware": ddpm.cpu_has_bf16(), "torch": torch.__version__,
-           **{k: version(k) for k in ("denoising-diffusion-pytorch", "einops", "ema-pytorch", "accelerate")}}
+    env = cpu_timing.environment(args.threads, ("denoising-diffusion-pytorch", "einops", "ema-pytorch", "accelerate"))
     print(f"# {env['date']} · {env['cpu']}, {env['cores']} cores, {args.threads} threads · torch {env['torch']} · "
           f"denoising-diffusion-pytorch {env['denoising-diffusion-pytorch']} (einops {env['einops']}, "
           f"ema-pytorch {env['ema-pytorch']}, accelerate {env['accelerate']}) · git {env['git']}", flush=True)
 
-    peak32 = ddpm.measure_matmul_flops(CPU, torch.float32)
-    peak16 = ddpm.measure_matmul_flops(CPU, torch.bfloat16)
+    peaks32, peaks16 = cpu_timing.measure_peaks()
     theirs_flops = count_theirs()
     ours_flops, ours_meta_flops = count_ours()
-    print(f"fp32 matmul peak (measured): {peak32 / 1e9:.1f} GFLOP/s; bf16: {peak16 / 1e9:.2f} GFLOP/s "
-          f"(bf16 hardware: {env['cpu_bf16_hardware']})")
-    print(f"counted training GFLOP/image: theirs {theirs_flops / 1e9:.2f}, ours {ours_flops / 1e9:.2f} "
-          f"(ddpm.train_flops_per_image: {ours_meta_flops / 1e9:.2f})", flush=True)
+    cpu_timing.print_counts(env, peaks32, peaks16, theirs_flops, ours_flops, ours_meta_flops)
 
-    # (name, family, builder, batch, precision, timed rounds)
     tb = args.theirs_batch
-    configs = [("theirs fp32", "theirs", lambda: build_theirs(tb, False, False), tb, "fp32", args.timed),
-               ("theirs fp32+cl", "theirs", lambda: build_theirs(tb, True, False), tb, "fp32", args.timed)]
     bf16_timed = args.bf16_timed or (args.timed if env["cpu_bf16_hardware"] else 2)
+    bf16_warmup = args.warmup if env["cpu_bf16_hardware"] else min(args.warmup, 1)
+
+    def make_row(name, family, build, batch, precision):
+        return {"config": name, "family": family, "batch": batch, "precision": precision, "_build": build,
+                "flops_per_image": theirs_flops if family == "theirs" else ours_flops,
+                "timed": args.timed if precision == "fp32" else bf16_timed,
+                "warmup": args.warmup if precision == "fp32" else bf16_warmup}
+
+    rows = [make_row("theirs fp32", "theirs", lambda: build_theirs(tb, False, False), tb, "fp32"),
+            make_row("theirs fp32+cl", "theirs", lambda: build_theirs(tb, True, False), tb, "fp32")]
     if not args.no_bf16:
-        configs.append(("theirs bf16+cl", "theirs", lambda: build_theirs(tb, True, True), tb, "bf16", bf16_timed))
+        rows.append(make_row("theirs bf16+cl", "theirs", lambda: build_theirs(tb, True, True), tb, "bf16"))
     for mode, batch in parse_ours(args.ours):
         parts = mode.split("+")
         cl, comp, prec = "cl" in parts, "compile" in parts, "bf16" if "bf16" in parts else "fp32"
         if prec == "bf16" and args.no_bf16:
             continue
-        configs.append((f"ours {mode} b{batch}", "ours",
-                        (lambda b=batch, cl=cl, comp=comp, prec=prec: build_ours(b, cl, comp, prec)),
-                        batch, prec, args.timed if prec == "fp32" else bf16_timed))
+        rows.append(make_row(f"ours {mode} b{batch}", "ours",
+                        (lambda b=batch, cl=cl, comp=comp, prec=prec: build_ours(b, cl, comp, prec)), batch, prec))
 
-    rows = []
-    for name, family, builder, batch, precision, timed in configs:
-        step, n_params = builder()
-        warm = []
-        for _ in range(args.warmup if precision == "fp32" or env["cpu_bf16_hardware"] else min(args.warmup, 1)):
-            m = LoadMeter()
-            m.start()
-            step()
-            warm.append(m.stop()[0])
-        print(f"warm-up {name}: " + ", ".join(f"{w:.1f}" for w in warm) + " s", flush=True)
-        rows.append({"config": name, "family": family, "batch": batch, "precision": precision, "params": n_params,
-                     "flops_per_image": theirs_flops if family == "theirs" else ours_flops,
-                     "warmup_s": warm, "steps_s": [], "own_cores": [], "other_cores": [], "_step": step})
-
-    # timed rounds, interleaved; past --timed rounds, only configurations short of --timed uncontended steps run
-    # again, while the --budget_s of the timed phase lasts
-    t_timed, r = time.time(), 0
-    while True:
-        ran = False
-        for row, cfg in zip(rows, configs):
-            clean = sum(o <= args.contended for o in row["other_cores"])
-            if r >= cfg[5] and (clean >= cfg[5] or time.time() - t_timed > args.budget_s):
-                continue
-            m = LoadMeter()
-            m.start()
-            row["_step"]()
-            wall, own, other = m.stop()
-            row["steps_s"].append(wall)
-            row["own_cores"].append(own)
-            row["other_cores"].append(other)
-            ran = True
-            print(f"round {r}: {row['config']}: {wall:.2f} s (cores: ours {own:.2f}, others {other:.2f})", flush=True)
-        if not ran:
-            break
-        r += 1
-
-    # the matmul peak again after the timed phase (a neighbour may have slowed the first measurement): keep the best
-    peaks32, peaks16 = [peak32, ddpm._time_matmuls(CPU, torch.float32)], [peak16, ddpm._time_matmuls(CPU, torch.bfloat16)]
+    cpu_timing.warm_up(rows)
+    cpu_timing.run_interleaved(rows, args.contended, args.budget_s)
+    peaks32, peaks16 = cpu_timing.summarize(rows, args.contended, peaks32, peaks16)
     peak32, peak16 = max(peaks32), max(peaks16)
-    for row in rows:
-        del row["_step"]
-        clean = [w for w, o in zip(row["steps_s"], row["other_cores"]) if o <= args.contended]
-        used = clean if len(clean) >= 2 else row["steps_s"]  # uncontended steps where there are two or more
-        row["steps_used"] = "uncontended" if used is clean else "all"
-        row["n_clean"], row["n_steps"] = len(clean), len(row["steps_s"])
-        ms = statistics.median(used) * 1e3
-        row["step_ms_all_steps"] = statistics.median(row["steps_s"]) * 1e3
-        peak = peak16 if row["precision"] == "bf16" else peak32
-        row.update(step_ms=ms, step_ms_min=min(used) * 1e3, img_per_s=row["batch"] / ms * 1e3,
-                   gflops=row["flops_per_image"] * row["batch"] / ms / 1e6, peak_gflops=peak / 1e9,
-                   other_cores_median=statistics.median(row["other_cores"]))
-        row["frac_of_peak"] = row["gflops"] * 1e9 / peak
-        row["frac_of_fp32_peak"] = row["gflops"] * 1e9 / peak32
 
     print(f"\nmeasured matmul peak (best of start and end): fp32 {peak32 / 1e9:.1f} GFLOP/s "
           f"({', '.join(f'{v / 1e9:.1f}' for v in peaks32)}), bf16 {peak16 / 1e9:.2f} GFLOP/s; median of the uncontended "
@@ -341,14 +224,10 @@ def main(argv=None):
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     ref32 = next((row for row in rows if row["config"] == "theirs fp32"), None)
     for row in rows:
-        frac = f"{100 * row['frac_of_peak']:.0f}% ({row['precision']})"
-        if row["precision"] == "bf16":
-            frac += f", {100 * row['frac_of_fp32_peak']:.0f}% of fp32"
-        used = (f"{row['n_clean']} clean of {row['n_steps']}" if row["steps_used"] == "uncontended"
-                else f"all {row['n_steps']} (contended)")
         print(f"| {row['config']} | {row['params'] / 1e6:.2f}M | {row['flops_per_image'] / 1e9:.2f} | {row['batch']} | "
-              f"{row['step_ms']:.0f} ({row['step_ms_min']:.0f}) | {used} | {row['img_per_s']:.2f} | {row['gflops']:.1f} | "
-              f"{frac} | {row['gflops'] / ref32['gflops'] if ref32 else float('nan'):.2f}x | {row['other_cores_median']:.2f} |")
+              f"{row['step_ms']:.0f} ({row['step_ms_min']:.0f}) | {cpu_timing.steps_used(row)} | {row['img_per_s']:.2f} | "
+              f"{row['gflops']:.1f} | {cpu_timing.peak_cell(row)} | "
+              f"{row['gflops'] / ref32['gflops'] if ref32 else float('nan'):.2f}x | {row['other_cores_median']:.2f} |")
 
     by = {row["config"]: row for row in rows}
     ours_rows = [row for row in rows if row["family"] == "ours"]
@@ -363,18 +242,8 @@ def main(argv=None):
                 ratios[ref] = {"flops_ratio": fl, "img_per_s_ratio": im, "goal": goal, "noisy": noisy}
                 verdict = f" (goal >= {goal}x: {'met' if fl >= goal else 'NOT met'})" if goal else ""
                 print(f"  vs {ref}: {fl:.2f}x FLOP/s{verdict}, {im:.2f}x img/s" + (" [NOISY: contended steps]" if noisy else ""))
-    noisy = [row["config"] for row in rows if row["steps_used"] == "all"]
-    if noisy:
-        print(f"\nnote: fewer than 2 uncontended steps (others <= {args.contended} cores), median over all steps, for: "
-              f"{', '.join(noisy)}: treat those as noisy")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"environment": env, "peak_fp32_flops": peak32, "peak_bf16_flops": peak16,
-                       "peak_fp32_flops_start_end": peaks32, "peak_bf16_flops_start_end": peaks16,
-                       "theirs_flops_per_image": theirs_flops, "ours_flops_per_image": ours_flops,
-                       "ours_train_flops_per_image_meta": ours_meta_flops, "warmup": args.warmup, "timed": args.timed,
-                       "contended_threshold_cores": args.contended, "argv": sys.argv,
-                       "rows": rows, "ratios_best_ours": ratios, "wall_s": time.time() - t_start}, f, indent=2)
+    cpu_timing.finish(args, t_start, env, peaks32, peaks16, (theirs_flops, ours_flops, ours_meta_flops), rows,
+                      ratios_best_ours=ratios)
     return rows
 
 
