@@ -32,7 +32,7 @@ demo: setup
 	$(PY) ddpm.py --preset demo
 
 test: setup
-	$(PY) -m pytest -q -n auto tests
+	$(PY) -m pytest -q -n auto --dist worksteal tests
 
 clean:
 	rm -rf $(VENV) .pytest_cache

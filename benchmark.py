@@ -311,6 +311,8 @@ def main(argv=None):
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     gpu = device.type == "cuda"
+    if not gpu:
+        ddpm.keep_freed_memory()  # as train() does on a CPU
     base_batch = args.base_batch or (128 if gpu else 4)
     iters, warmup = args.iters or (50 if gpu else 3), args.warmup or (10 if gpu else 1)
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}

@@ -36,14 +36,12 @@ fp32) matmul rate measured by ddpm.measure_matmul_flops before and after the tim
 Ratios ours/theirs are of img/s (= theirs' step time / ours), between rows of the same batch and dropout.
 
 Measured (2026-12-03, torch 2.14.1, diffusers 0.42.1; both 35.7M parameters and 37.32 counted GFLOP per training
-image; one run of `--dropout 0.1,0`, 5 uncontended steps per row, step times within -12%/+17% of their median):
-  2 cores AMD EPYC with AVX512-BF16 (matmul peak bf16 402, fp32 168 GFLOP/s): ours eager (bf16, NCHW) 2379 ms/step at
-  batch 16 and 4475 at 32 with dropout 0.1 (251 and 267 GFLOP/s, 63-66% of the bf16 matmul peak); theirs bf16 2404
-  and 4968, theirs fp32 4286 and 10479. Ours / theirs bf16: 1.01x (b16) and 1.11x (b32) at dropout 0.1, 1.07x and
-  1.15x at dropout 0; ours / theirs fp32: 1.80x-2.34x. Same network, same kernels; a torch.profiler comparison
-  (bf16, batch 16, 4 steps each) puts theirs' extra time in its per-tensor AdamW loop (~+140 ms/step of elementwise
-  ops), its convolutions and GroupNorms run in NHWC after each attention block (+98 ms convolution forward, +32 ms
-  GroupNorm) and more casts (+43 ms); no op of ours is slower than theirs beyond the noise.
+image; 2 cores AMD EPYC with AVX512-BF16, 5 uncontended steps per row; every run in BENCHMARKS.md): after issue
+16's changes (the CPU dropout mask, glibc keeping freed memory, which in one process helps both sides), ours eager
+(bf16, NCHW) 2099 ms/step at batch 16 and 4296 at 32 with dropout 0.1, 71-77% of the measured bf16 matmul rate;
+ours / theirs bf16 1.03x-1.12x, ours / theirs fp32 1.81x-2.09x. Before them: 1.01x-1.15x and 1.80x-2.34x, 63-73%.
+Same network, same oneDNN convolutions (~1.8 s of the ~2.4 s step on both sides, torch.profiler); theirs spends
+more in its per-tensor AdamW, its NHWC convolutions and GroupNorms after each attention block, and casts.
 
 Timing (scripts/cpu_timing.py, shared with cpu_vs_ddpm_pytorch.py): --warmup untimed steps per configuration
 (compilation included), then --timed rounds that interleave the configurations (ABCABC...). Each step records how
@@ -202,6 +200,9 @@ def main(argv=None):
                                                     "pair of sides); Ho's and ModelConfig's is 0.1, UNet2DModel's 0.0")
     p.add_argument("--ours", default="eager", help=f"our configurations, comma-separated: {', '.join(OUR_MODES)}")
     p.add_argument("--theirs", default="fp32,bf16", help=f"their configurations: {', '.join(THEIR_MODES)}")
+    p.add_argument("--glibc_default", action="store_true",
+                   help="leave glibc's malloc as it is; by default the process keeps freed memory as ddpm.py's "
+                        "training does (ddpm.keep_freed_memory), which speeds up both sides alike")
     cpu_timing.add_args(p)
     args = p.parse_args(argv)
     batches = parse_list(args.batch, int, "--batch")
@@ -217,6 +218,8 @@ def main(argv=None):
     import ddpm
 
     torch.set_num_threads(args.threads)
+    kept = not args.glibc_default and ddpm.keep_freed_memory()  # process-wide: theirs gains from it as well
+    print(f"# glibc malloc: {'keeps freed memory (as ddpm.py trains)' if kept else 'its defaults'}", flush=True)
     t_start = time.time()
     env = cpu_timing.environment(args.threads, ("diffusers",))
     print(f"# {env['utc']} UTC · {env['cpu']}, {env['cores']} cores, {args.threads} threads · torch {env['torch']} · "

@@ -177,3 +177,22 @@ def test_activation_checkpointing_same_gradients_less_memory():
     assert grads[1][1] < 0.5 * grads[0][1], (grads[1][1], grads[0][1])
     explained = torch._dynamo.explain(ckpt)(x, t)
     assert explained.graph_break_count == 0, explained.break_reasons
+
+
+def test_cpu_dropout_keeps_1_minus_p_and_scales_like_f_dropout():
+    from unet import dropout
+
+    x = torch.ones(64, 32, 16, 16, requires_grad=True)
+    torch.manual_seed(0)
+    y = dropout(x, 0.1, True)
+    kept = (y != 0).float()
+    assert abs(kept.mean().item() - 0.9) < 0.002  # 524288 elements: the s.d. of the fraction is 0.0004
+    assert torch.allclose(y[y != 0], torch.full_like(y[y != 0], 1 / 0.9))
+    y.sum().backward()
+    assert torch.equal(x.grad, kept / 0.9)  # the gradient flows where the output does, scaled alike
+    torch.manual_seed(0)
+    assert torch.equal(dropout(x, 0.1, True), y)  # the global generator: seeded runs repeat
+    assert torch.equal(dropout(x, 0.1, False), x) and torch.equal(dropout(x, 0.0, True), x)
+    for p in (0.3, 0.5):  # other rates, and a layout that is not NCHW
+        z = dropout(torch.ones(8, 16, 8, 8).to(memory_format=torch.channels_last), p, True)
+        assert abs((z == 0).float().mean().item() - p) < 0.03
