@@ -152,8 +152,8 @@ def loader_bench(folder, image_size=32, batch_size=512, num_workers=2, epochs=3,
 def repatched(mc, patch_size):
     """The preset at another patch size Q, attending over the same image regions: its attention resolutions
     refer to its own patched grid (patch size P), where a region r positions wide spans r * P / Q at Q."""
-    return dataclasses.replace(mc, patch_size=patch_size,
-                               attn_resolutions=tuple(r * mc.patch_size // patch_size for r in mc.attn_resolutions))
+    attn = tuple(r * mc.patch_size // patch_size for r in mc.attn_resolutions)
+    return dataclasses.replace(mc, patch_size=patch_size, attn_resolutions=attn)
 
 
 # (name, the change it makes to the row above); batch "max" searches the largest batch that fits

@@ -213,8 +213,8 @@ BOUNDS = {
     "num_res_blocks": (1, None), "attn_heads": (0, None), "attn_head_dim": (0, None), "dropout": (0, 1),
     "num_classes": (0, None), "p_uncond": (0, 1), "timesteps": (2, None), "beta_start": (0, 1),
     "beta_end": (0, 1), "min_snr_gamma": (1e-12, None), "split_timestep": (0, None), "split_snr": (0, None),
-    "shapes_count": (1, None), "num_workers": (1, None), "batch_size": (1, None), "grad_accum_steps": (1, None),
-    "max_steps": (0, None),
+    "shapes_count": (1, None), "num_workers": (1, None), "batch_size": (1, None),
+    "grad_accum_steps": (1, None), "max_steps": (0, None),
     "lr": (0, None), "warmup_steps": (0, None), "weight_decay": (0, None), "adam_beta1": (0, 1),
     "adam_beta2": (0, 1), "grad_clip": (0, None), "max_nonfinite_steps": (1, None), "ema_decay": (0, 1),
     "cpu_threads": (0, None), "log_every_steps": (1, None), "sample_every_steps": (0, None),
@@ -279,7 +279,8 @@ def validate(mc, tc):
           f"eval_bpd_strata must lie in [1, timesteps-1={mc.timesteps - 1}]")
     check(tc.eval_fid_samples != 1, "eval_fid_samples must be 0 or >= 2 (a covariance needs two samples)")
     check(tc.batch_size % tc.grad_accum_steps == 0,
-          f"batch_size {tc.batch_size} does not divide into grad_accum_steps={tc.grad_accum_steps} micro-batches")
+          f"batch_size {tc.batch_size} does not divide into grad_accum_steps={tc.grad_accum_steps} "
+          "micro-batches")
 
 
 def parse_args(argv):
@@ -702,7 +703,8 @@ PEAK_FLOPS = [
     ("H100 PCIe", {"bf16": 756e12, "fp16": 756e12, "tf32": 378e12, "fp32": 51.2e12}),
     ("H100", {"bf16": 989e12, "fp16": 989e12, "tf32": 494.7e12, "fp32": 66.9e12}),  # SXM
     ("A100", {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12}),
-    ("V100", {"fp16": 125e12, "tf32": 15.7e12, "fp32": 15.7e12}),  # SXM2; no bf16, no TF32: 'tf32' is plain fp32
+    # SXM2; no bf16 and no TF32 ('tf32' is its plain fp32 rate), as on the T4 and P100
+    ("V100", {"fp16": 125e12, "tf32": 15.7e12, "fp32": 15.7e12}),
     ("T4", {"fp16": 65e12, "tf32": 8.1e12, "fp32": 8.1e12}),
     ("P100", {"fp16": 21.2e12, "tf32": 10.6e12, "fp32": 10.6e12}),  # SXM2
 ]
@@ -855,16 +857,17 @@ def grad_scaler(device, precision):
 
 def keep_freed_memory():
     """On a CPU with glibc: keep freed memory in the process. By default glibc hands large blocks back to the
-    OS (and trims the heap) as soon as they are freed, so every training step page-faults its activations and
-    gradients in afresh: ~77k minor faults per 'ho' step at batch 16 on 2 cores, ~400 with this; the step measured
-    3% to 17% faster with it, depending on what else the process allocates (BENCHMARKS.md).
-    mmap threshold 32 MiB (glibc's largest), trim threshold 2 GiB. The process keeps its peak memory; blocks over
-    32 MiB are still returned. Process-wide: -> whether it took effect (False off glibc, said by the caller)."""
+    OS (and trims the heap) as soon as they are freed, so every training step page-faults its activations
+    and gradients in afresh: ~77k minor faults per 'ho' step at batch 16 on 2 cores, ~400 with this; the
+    step measured 3% to 17% faster with it, depending on what else the process allocates (BENCHMARKS.md).
+    mmap threshold 32 MiB (glibc's largest), trim threshold 2 GiB. The process keeps its peak memory; blocks
+    over 32 MiB are still returned. Process-wide: -> whether it took effect (False off glibc)."""
     import ctypes
 
     try:
         libc = ctypes.CDLL("libc.so.6")
-        return libc.mallopt(-3, 32 << 20) == 1 and libc.mallopt(-1, 2**31 - 1) == 1  # M_MMAP_ / M_TRIM_THRESHOLD
+        # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
+        return libc.mallopt(-3, 32 << 20) == 1 and libc.mallopt(-1, 2**31 - 1) == 1
     except (OSError, AttributeError):
         return False
 
@@ -1323,7 +1326,8 @@ def restore(ckpt, path, mc, model, ema, opt, loader, world, scaler=None):
     model.load_state_dict(model_state)
     ema.load_state_dict(ema_state)
     opt.load_state_dict(opt_state)
-    if scaler is not None and ckpt.get("scaler"):  # fp16's loss scale goes on where it was: resume stays bitwise
+    # fp16's loss scale goes on where it was: resume stays bitwise
+    if scaler is not None and ckpt.get("scaler"):
         scaler.load_state_dict(ckpt["scaler"])
     saved_world = ckpt.get("world_size", 1)
     if saved_world != world:  # the position counts per-rank images: keep the same place in the epoch

@@ -159,17 +159,19 @@ def main(argv=None):
     what = f"{args.n} images, {args.sampler} {args.steps or mc.timesteps} steps, guidance {args.guidance}"
     print(f"wrote {args.out} and {npz}: {what}")
     print(f"sampling: {speed['img_per_s']:.3g} img/s, {speed['s_per_img']:.3g} s/image, "
-          f"{speed['nfe_per_image']:.0f} network evaluations per image ({speed['nfe_per_s']:.3g}/s), peak memory "
-          f"{speed['peak_memory_bytes'] / 2**20:.0f} MiB ({speed['peak_memory']})")
-    run = {"n": args.n, "sampler": args.sampler, "steps": args.steps or mc.timesteps, "guidance": args.guidance,
-           "batch": args.batch, "device": str(device), "autocast": precision, **speed}
+          f"{speed['nfe_per_image']:.0f} network evaluations per image ({speed['nfe_per_s']:.3g}/s), "
+          f"peak memory {speed['peak_memory_bytes'] / 2**20:.0f} MiB ({speed['peak_memory']})")
+    run = {"n": args.n, "sampler": args.sampler, "steps": args.steps or mc.timesteps,
+           "guidance": args.guidance, "batch": args.batch, "device": str(device), "autocast": precision,
+           **speed}
     if args.eval == "samples":
         write_json(run, args.out)
         return run
     if args.eval == "fid":
         feats, logits = evaluate.features(extractor, images.split(args.batch), device)
-        result = {**evaluate.fid_metrics(feats, logits, ref), "reference": f"{dataset} train, {int(ref['n'])} images",
-                  **run, "feature_extractor": "torch-fidelity inception-v3-compat"}
+        result = {**evaluate.fid_metrics(feats, logits, ref),
+                  "reference": f"{dataset} train, {int(ref['n'])} images", **run,
+                  "feature_extractor": "torch-fidelity inception-v3-compat"}
         path = write_json(result, args.out)
         extra = "".join(f", {k} {result[k]:.4f}" for k in ("inception_score", "precision", "recall")
                         if k in result)
@@ -186,8 +188,9 @@ def sampling_speed(n, evaluated, seconds, device):
         import resource
 
         peak, what = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process max RSS"
-    return {"seconds": seconds, "img_per_s": n / seconds, "s_per_img": seconds / n, "nfe_per_image": evaluated / n,
-            "nfe_per_s": evaluated / seconds, "peak_memory_bytes": peak, "peak_memory": what}
+    return {"seconds": seconds, "img_per_s": n / seconds, "s_per_img": seconds / n,
+            "nfe_per_image": evaluated / n, "nfe_per_s": evaluated / seconds, "peak_memory_bytes": peak,
+            "peak_memory": what}
 
 
 def check_output(out):
