@@ -11,6 +11,12 @@ Patching (Luhman & Luhman 2022): with patch_size P the input is folded into
 (B, C·P², H/P, W/P) by pixel_unshuffle before the first convolution, and the output is
 unfolded by pixel_shuffle after the last, so every layer runs on a P× smaller grid.
 Attention resolutions refer to that patched grid.
+
+It is Ho et al.'s network function for function (their timestep frequencies, TF 'SAME' padding on the
+stride-2 convs, GroupNorm eps 1e-6, their initialisation): with the same weights its output equals
+diffusers' UNet2DModel to ~1e-15 in float64. The last section converts weights and config.json to and
+from UNet2DModel's names (diffusers_state_dict, load_diffusers_state_dict); activation_checkpointing=True
+recomputes each block in the backward pass.
 """
 import math
 import re
