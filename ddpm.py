@@ -119,6 +119,7 @@ class TrainerConfig:  # the run
     sampler: Literal["ddpm", "ddim", "dpm++"] = "ddpm"  # sampler for the grids
     sample_steps: int = 0                               # sampler steps for the grids; 0 = all T
     guidance: float = 1.0                               # classifier-free guidance weight w for the grids and the FID samples; 1 = none
+    threshold: Literal["static", "dynamic", "none"] = "static"  # x0 clipping when sampling: static [-1, 1], dynamic (Saharia et al. 2022, p99.5), none
     eval_every_steps: int = 0                           # steps between evaluations (FID, bits/dim) logged to metrics.jsonl; 0 = never
     eval_fid_samples: int = 5000                        # EMA samples for that FID, against the training set (torch-fidelity); 0 = no FID
     eval_sample_steps: int = 20                         # DPM-Solver++ steps for those samples
@@ -128,6 +129,13 @@ class TrainerConfig:  # the run
     device: str = "auto"                                # 'auto' = cuda if present, else cpu; or 'cpu', 'cuda', 'cuda:1', ...
 
 
+# What every model of Luhman & Luhman 2022 shares in the authors' code: a fixed position embedding, 64-channel
+# heads at the 16x16 and 8x8 patched grids, x-prediction with the sqrt_snr weighting, AdamW at 1e-4 with no
+# warm-up, no clipping and a constant 0.9999 EMA, and 250 respaced ancestral steps for sampling.
+PAPER = dict(dataset="folder", pos_emb=True, attn_resolutions=(16, 8), attn_heads=0, attn_head_dim=64,
+             dropout=0.0, prediction="x", loss_weighting="sqrt_snr", lr=1e-4, warmup_steps=0, grad_clip=0.0,
+             ema_warmup=False, sampler="ddpm", sample_steps=250)
+
 PRESETS = {
     # Ho et al. 2020, CIFAR-10: 35.7M parameters, the defaults above
     "ho": {},
@@ -135,32 +143,24 @@ PRESETS = {
     "seed": dict(base_channels=32, channel_mult=(1, 2, 4, 8), num_res_blocks=2,
                  attn_resolutions=(32, 16, 8, 4), attn_heads=4, attn_head_dim=32, dropout=0.0,
                  batch_size=3072),
-    # Luhman & Luhman 2022, from the configurations their public code ships (its README and th_configs.py):
-    # x-prediction with the sqrt_snr weighting, 64-channel heads, attention on the 16x16 and 8x8 patched
-    # grids. They train on --dataset=folder --data_dir=<images>. Not carried over: ADM's learned variance and
-    # scale-shift norm (this is Ho et al.'s UNet), and FFHQ's custom 'linear0.025' schedule.
-    "lsun-p2": dict(dataset="folder", image_size=256, patch_size=2, base_channels=128,
-                    channel_mult=(1, 2, 2, 4, 4), num_res_blocks=2, attn_resolutions=(16, 8),
-                    attn_heads=0, attn_head_dim=64, dropout=0.0,
-                    prediction="x", loss_weighting="sqrt_snr", lr=1e-4, batch_size=128),
-    "lsun-p4": dict(dataset="folder", image_size=256, patch_size=4, base_channels=256,
-                    channel_mult=(1, 1, 2, 2), num_res_blocks=2, attn_resolutions=(16, 8),
-                    attn_heads=0, attn_head_dim=64, dropout=0.0,
-                    prediction="x", loss_weighting="sqrt_snr", lr=1e-4, batch_size=128),
-    "lsun-p8": dict(dataset="folder", image_size=256, patch_size=8, base_channels=256,
-                    channel_mult=(1, 1.5, 2), num_res_blocks=3, attn_resolutions=(16, 8),
-                    attn_heads=0, attn_head_dim=64, dropout=0.0,
-                    prediction="x", loss_weighting="sqrt_snr", lr=1e-4, batch_size=128),
-    # ImageNet-256: class-conditional with guidance, split at SNR 0.25 (train --split_part=low and =high)
-    "imagenet-p4": dict(dataset="folder", image_size=256, patch_size=4, base_channels=256,
-                        channel_mult=(1, 2, 2, 2), num_res_blocks=3, attn_resolutions=(16, 8),
-                        attn_heads=0, attn_head_dim=64, dropout=0.0,
-                        num_classes=1000, p_uncond=0.1, split_snr=0.25,
-                        prediction="x", loss_weighting="sqrt_snr", lr=1e-4, batch_size=128, guidance=1.5),
-    "ffhq-p4": dict(dataset="folder", image_size=1024, patch_size=4, base_channels=128,
-                    channel_mult=(1, 2, 2, 4, 4, 4), num_res_blocks=2, attn_resolutions=(16, 8),
-                    attn_heads=0, attn_head_dim=64, dropout=0.0,
-                    prediction="x", loss_weighting="sqrt_snr", lr=1e-4, batch_size=32),
+    # Luhman & Luhman 2022, as their public code (ericl122333/PatchDiffusion-Pytorch) trains and samples:
+    # PAPER below, then each model's shapes from its README and th_configs.py. They train on
+    # --dataset=folder --data_dir=<images>. README.md lists what remains different (ADM's learned variance
+    # and scale-shift norm, the class gate, the time-embedding width) and why.
+    "lsun-p2": dict(PAPER, image_size=256, patch_size=2, base_channels=128, channel_mult=(1, 2, 2, 4, 4),
+                    num_res_blocks=2, batch_size=128),
+    "lsun-p4": dict(PAPER, image_size=256, patch_size=4, base_channels=256, channel_mult=(1, 1, 2, 2),
+                    num_res_blocks=2, batch_size=128),
+    "lsun-p8": dict(PAPER, image_size=256, patch_size=8, base_channels=256, channel_mult=(1, 1.5, 2),
+                    num_res_blocks=3, batch_size=128),
+    # ImageNet-256: class-conditional, split at SNR 0.25 (train --split_part=low and =high, 500k steps each);
+    # sampled with guidance 1.5 and dynamic thresholding, as their image_sample.py does when guided
+    "imagenet-p4": dict(PAPER, image_size=256, patch_size=4, base_channels=256, channel_mult=(1, 2, 2, 2),
+                        num_res_blocks=3, num_classes=1000, p_uncond=0.1, split_snr=0.25,
+                        batch_size=256, max_steps=500_000, guidance=1.5, threshold="dynamic"),
+    # FFHQ-1024: their 'linear0.025' schedule, Ho's linear betas ending at 0.025
+    "ffhq-p4": dict(PAPER, image_size=1024, patch_size=4, base_channels=128, channel_mult=(1, 2, 2, 4, 4, 4),
+                    num_res_blocks=2, beta_end=0.025, batch_size=32),
     # small enough to learn the built-in shapes at 16x16 on 2 CPU cores in 1.5 (bf16) to 5 (fp32) minutes:
     # 2x2 patches, v-prediction on the cosine schedule, class labels with guidance, a high LR and small
     # batches
@@ -1493,7 +1493,7 @@ def train(mc, tc, preset="custom"):
         x = diffusion.sample(autocast_model(ema, device, precision),
                              (len(mine), mc.channels, mc.image_size, mc.image_size),
                              sampler=tc.sampler, steps=tc.sample_steps or None, y=y, guidance=tc.guidance,
-                             generator=g)
+                             threshold=tc.threshold, generator=g)
         x = gather_rows(x, rank, world)
         if lead:
             save_grid(x, os.path.join(out_dir, f"samples_{step:07d}.png"))

@@ -240,7 +240,7 @@ class TrainingEval:
             g = torch.Generator().manual_seed(tc.seed + 1 + self.rank)
             batches = generate(self.diffusion, net, len(mine), mc, batch=self.batch, generator=g,
                                labels=labels, sampler="dpm++", steps=tc.eval_sample_steps,
-                               guidance=tc.guidance)
+                               guidance=tc.guidance, threshold=tc.threshold)
             feats, _ = features(self.extractor, batches, self.device)
             out["fid"] = fid_metrics(feats, None, self.ref, prc=False)["fid"]
             out["fid_samples"] = tc.eval_fid_samples

@@ -15,8 +15,10 @@
 both hold the EMA weights and the model config, and load with weights_only=True. It also takes a
 diffusers model folder (config.json + safetensors or .bin, and scheduler_config.json for the schedule),
 or a pipeline folder holding them in unet/ and scheduler/ (diffusers_io.py). Class-conditional
-models cycle through the classes unless --label fixes one. The network runs under bf16 autocast
-where the hardware has it (GPUs, CPUs with AVX512-BF16/AMX), as --precision=auto does in training.
+models cycle through the classes unless --label fixes one. The sampler, its steps, the guidance and the
+thresholding default to the run's own grid settings (its preset's; for a diffusers folder, TrainerConfig's
+defaults: all T ancestral steps). The network runs under bf16 autocast where the hardware has it (GPUs,
+CPUs with AVX512-BF16/AMX), as --precision=auto does in training.
 
 --eval fid scores the samples with torch-fidelity's InceptionV3 against the run's training set, whose
 statistics are computed once and cached (--stats_dir). The results go to a .json beside --out.
@@ -46,12 +48,16 @@ def main(argv=None):
     p.add_argument("--ckpt_high", default="",
                    help="with model splitting: the t >= S expert (--ckpt is then the t < S one)")
     p.add_argument("--n", type=int, default=64, help="number of images")
-    p.add_argument("--sampler", choices=["ddpm", "ddim", "dpm++"], default="dpm++")
-    p.add_argument("--steps", type=int, default=20, help="sampler steps; 0 = all T")
+    # --sampler, --steps, --guidance and --threshold default to what the run's config says for its grids
+    # (the preset's sampling settings; TrainerConfig's defaults for a diffusers folder)
+    p.add_argument("--sampler", choices=["ddpm", "ddim", "dpm++"], help="default: the run's sampler")
+    p.add_argument("--steps", type=int, help="sampler steps; 0 = all T; default: the run's sample_steps")
     p.add_argument("--eta", type=float, default=0.0, help="DDIM noise; 0 = deterministic")
-    p.add_argument("--guidance", type=float, default=1.0, help="classifier-free guidance weight w; 1 = none")
-    p.add_argument("--threshold", choices=["static", "dynamic", "none"], default="static",
-                   help="x0 clipping: static [-1, 1], dynamic (Saharia et al. 2022), or none")
+    p.add_argument("--guidance", type=float,
+                   help="classifier-free guidance weight w; 1 = none; default: the run's guidance")
+    p.add_argument("--threshold", choices=["static", "dynamic", "none"],
+                   help="x0 clipping: static [-1, 1], dynamic (Saharia et al. 2022), or none; default: the "
+                        "run's threshold")
     p.add_argument("--percentile", type=float, default=0.995, help="dynamic thresholding percentile")
     p.add_argument("--label", type=int, default=-1, help="class to sample; -1 = cycle through all classes")
     p.add_argument("--batch", type=int, default=256, help="images per network call (memory)")
@@ -88,6 +94,10 @@ def main(argv=None):
         elif ddpm.split_timestep(mc):
             raise ddpm.ConfigError(f"{args.ckpt} is one expert of a split model: give the other with "
                                    "--ckpt_high")
+        for name, field in (("sampler", "sampler"), ("steps", "sample_steps"), ("guidance", "guidance"),
+                            ("threshold", "threshold")):
+            if getattr(args, name) is None:
+                setattr(args, name, run.get(field, getattr(ddpm.TrainerConfig, field)))
         if not (0 <= args.steps <= mc.timesteps) or args.n < 1 or args.batch < 1:
             raise ddpm.ConfigError(f"need n >= 1, batch >= 1 and 0 <= steps <= {mc.timesteps}")
         for name, ok in (("guidance", 0 <= args.guidance < math.inf), ("eta", 0 <= args.eta <= 1),
@@ -156,13 +166,14 @@ def main(argv=None):
     npz = os.path.splitext(args.out)[0] + ".npz"
     np.savez(npz, images=images.permute(0, 2, 3, 1).numpy(),
              labels=labels.numpy() if labels is not None else np.zeros(0, np.int64))
-    what = f"{args.n} images, {args.sampler} {args.steps or mc.timesteps} steps, guidance {args.guidance}"
+    what = (f"{args.n} images, {args.sampler} {args.steps or mc.timesteps} steps, guidance {args.guidance}, "
+            f"{args.threshold} thresholding")
     print(f"wrote {args.out} and {npz}: {what}")
     print(f"sampling: {speed['img_per_s']:.3g} img/s, {speed['s_per_img']:.3g} s/image, "
           f"{speed['nfe_per_image']:.0f} network evaluations per image ({speed['nfe_per_s']:.3g}/s), "
           f"peak memory {speed['peak_memory_bytes'] / 2**20:.0f} MiB ({speed['peak_memory']})")
     run = {"n": args.n, "sampler": args.sampler, "steps": args.steps or mc.timesteps,
-           "guidance": args.guidance, "batch": args.batch, "device": str(device), "autocast": precision,
+           "guidance": args.guidance, "threshold": args.threshold, "batch": args.batch, "device": str(device), "autocast": precision,
            **speed}
     if args.eval == "samples":
         write_json(run, args.out)

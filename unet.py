@@ -28,6 +28,7 @@ import torch.utils.checkpoint
 
 
 NORM_EPS = 1e-6  # GroupNorm's epsilon in Ho et al.'s code (TF's group_norm), not PyTorch's default 1e-5
+POS_EMB_OMEGA = 64  # the position embedding's omega x grid size, from Luhman & Luhman's code (position_embedding_2d)
 
 
 def group_norm(channels):
@@ -65,14 +66,18 @@ def timestep_embedding(t, dim, max_period=10000.0):
 
 
 def position_embedding_2d(channels, size):
-    """Fixed 2D sinusoidal embedding, (1, channels, size, size): half the channels encode the row,
-    half the column, each as timestep_embedding does; patched models use it to know where a patch lies."""
-    pos = torch.arange(size)
-    rows = timestep_embedding(pos, channels // 2)  # (size, C/2)
-    cols = timestep_embedding(pos, channels - channels // 2)
-    emb = torch.cat([rows[:, None, :].expand(size, size, -1), cols[None, :, :].expand(size, size, -1)],
+    """Luhman & Luhman 2022's fixed 2D position embedding, as their code adds it: (1, channels, size, size)
+    for a size x size patched grid. Channel i < C/2 is sin(omega * x * f_i) of the column x, channel C/2 + i
+    the same of the row y, with timestep_embedding's frequencies f_i = 10000^(-i/(C/2-1)) and
+    omega = POS_EMB_OMEGA / size (larger grids get longer wavelengths); sine only (an odd C gets a zero
+    channel)."""
+    half = channels // 2
+    omega = POS_EMB_OMEGA / size
+    waves = timestep_embedding(torch.arange(size) * omega, 2 * half)[:, :half]  # (size, C/2): the sines
+    emb = torch.cat([waves[None, :, :].expand(size, size, half),   # [y, x] -> wave of x
+                     waves[:, None, :].expand(size, size, half)],  # [y, x] -> wave of y
                     dim=-1)
-    return emb.permute(2, 0, 1)[None]
+    return F.pad(emb.permute(2, 0, 1), (0, 0, 0, 0, 0, channels % 2))[None]
 
 
 class ResBlock(nn.Module):

@@ -67,3 +67,26 @@ def test_sampling_speed_is_reported(run_dir, tmp_path, capsys):
     assert run["img_per_s"] > 0 and run["s_per_img"] == pytest.approx(1 / run["img_per_s"])
     assert run["nfe_per_s"] == pytest.approx(6 * run["img_per_s"]) and run["peak_memory_bytes"] > 2**20
     assert "network evaluations per image" in capsys.readouterr().out
+
+
+def test_sampling_defaults_are_the_runs(run_dir, tmp_path):
+    """Without --sampler/--steps/--guidance/--threshold, sample.py samples as the run's config says (a paper
+    preset's 250 ancestral steps, dynamic thresholding when guided); flags still override."""
+    import torch
+
+    ckpt = torch.load(run_dir / "ema.pt", weights_only=True)
+    assert (ckpt["trainer_config"]["sampler"], ckpt["trainer_config"]["sample_steps"]) == ("ddim", 5)
+    ckpt["trainer_config"].update(guidance=3.0, threshold="dynamic")
+    torch.save(ckpt, tmp_path / "ema.pt")
+    common = ["--ckpt", str(tmp_path / "ema.pt"), "--n", "4", "--batch", "4"]
+    run = sample.main([*common, "--out", str(tmp_path / "a.png")])
+    assert {k: run[k] for k in ("sampler", "steps", "guidance", "threshold")} == dict(
+        sampler="ddim", steps=5, guidance=3.0, threshold="dynamic")
+    assert run["nfe_per_image"] == 10  # 5 guided steps
+    explicit = sample.main([*common, "--sampler", "ddim", "--steps", "5", "--guidance", "3", "--threshold",
+                            "dynamic", "--out", str(tmp_path / "b.png")])
+    assert explicit["threshold"] == "dynamic"
+    a, b = np.load(tmp_path / "a.npz")["images"], np.load(tmp_path / "b.npz")["images"]
+    assert np.array_equal(a, b)
+    static = sample.main([*common, "--threshold", "static", "--steps", "1", "--out", str(tmp_path / "c.png")])
+    assert (static["threshold"], static["steps"], static["sampler"]) == ("static", 1, "ddim")

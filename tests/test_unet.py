@@ -98,7 +98,13 @@ def test_patch_8_and_position_embedding():
     emb = model.pos_emb
     assert emb.shape == (1, 16, 8, 8)
     assert not torch.equal(emb[..., 0, 0], emb[..., 0, 1]) and not torch.equal(emb[..., 0, 0], emb[..., 1, 0])
-    assert torch.equal(emb[0, :8, 3, 0], emb[0, :8, 3, 5])  # the row half depends on the row only
+    assert torch.equal(emb[0, :8, 0, 3], emb[0, :8, 5, 3])  # the first half depends on the column only
+    assert torch.equal(emb[0, 8:, 3, 0], emb[0, 8:, 3, 5])  # the second on the row only
+    # the authors' formula (Luhman & Luhman's timestep_embedding_2d), written out: omega = 64 / grid size
+    i, pos = torch.arange(8.0)[:, None], torch.arange(8.0)[None, :]
+    waves = torch.sin(pos * (64 / 8) * 10000 ** (-i / 7))  # (channel, position)
+    torch.testing.assert_close(emb[0, :8], waves[:, None, :].expand(8, 8, 8), rtol=0, atol=1e-5)
+    torch.testing.assert_close(emb[0, 8:], waves[:, :, None].expand(8, 8, 8), rtol=0, atol=1e-5)
     # the embedding changes the output: the network can tell patches apart by position alone
     plain = UNet(tiny_model(image_size=64, patch_size=8, attn_resolutions=(4,)))
     plain.load_state_dict(model.state_dict())
@@ -113,6 +119,13 @@ def test_paper_presets_build_and_train_a_step_at_reduced_width(preset):
 
     mc, tc, _ = parse_args(["--preset", preset])
     assert mc.prediction == "x" and mc.loss_weighting == "sqrt_snr" and mc.attn_head_dim == 64
+    # the authors' loop and sampler (their image_train.py, train_util.py and image_sample.py)
+    assert mc.pos_emb and (tc.warmup_steps, tc.grad_clip, tc.ema_warmup, tc.ema_decay) == (0, 0, False, 0.9999)
+    assert (tc.sampler, tc.sample_steps) == ("ddpm", 250)
+    assert tc.threshold == ("dynamic" if tc.guidance > 1 else "static")
+    assert Diffusion(mc).betas[-1].item() == pytest.approx(0.025 if preset == "ffhq-p4" else 0.02)
+    if preset == "imagenet-p4":
+        assert (tc.batch_size, tc.max_steps, tc.guidance) == (256, 500_000, 1.5)
     small = dataclasses.replace(mc, base_channels=16, attn_head_dim=16, num_res_blocks=1)
     model = UNet(small)
     x = torch.randn(1, 3, mc.image_size, mc.image_size)
