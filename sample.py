@@ -173,8 +173,8 @@ def main(argv=None):
           f"{speed['nfe_per_image']:.0f} network evaluations per image ({speed['nfe_per_s']:.3g}/s), "
           f"peak memory {speed['peak_memory_bytes'] / 2**20:.0f} MiB ({speed['peak_memory']})")
     run = {"n": args.n, "sampler": args.sampler, "steps": args.steps or mc.timesteps,
-           "guidance": args.guidance, "threshold": args.threshold, "batch": args.batch, "device": str(device), "autocast": precision,
-           **speed}
+           "guidance": args.guidance, "threshold": args.threshold, "batch": args.batch, "device": str(device),
+           "autocast": precision, **speed}
     if args.eval == "samples":
         write_json(run, args.out)
         return run

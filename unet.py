@@ -28,7 +28,7 @@ import torch.utils.checkpoint
 
 
 NORM_EPS = 1e-6  # GroupNorm's epsilon in Ho et al.'s code (TF's group_norm), not PyTorch's default 1e-5
-POS_EMB_OMEGA = 64  # the position embedding's omega x grid size, from Luhman & Luhman's code (position_embedding_2d)
+POS_EMB_OMEGA = 64  # omega x grid size of Luhman & Luhman's position embedding (position_embedding_2d)
 
 
 def group_norm(channels):
