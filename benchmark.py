@@ -11,7 +11,13 @@ Rows, each adding one change to the row above (a skipped or failed row adds noth
   baseline (fp32, batch 128, eager, math attention, NCHW, a typical torch DataLoader) -> scale up batch
   -> torch.compile -> PyTorch SDPA -> bf16 autocast -> channels_last -> FFCV loading
   -> device-resident data (the whole dataset on the device, against FFCV) -> compile max-autotune
-  (--autotune) -> CUDA graphs (compile mode reduce-overhead) -> patch_size P (--patch_size, 2).
+  (--autotune) -> CUDA graphs (compile mode reduce-overhead) -> patch_size Q (--patch_size, 2; the preset's
+  attention resolutions r become r * P / Q, benchmark.repatched).
+Rows that vary the row above them alone, not carried on: fp16 autocast with loss scaling (for GPUs without
+bf16), grad accumulation x4 (the same batch as 4 micro-batches), activation checkpointing at the same batch
+and at the largest batch that fits, and the largest batch at patch size Q: against the largest batch of the
+scaled-up rows, the paper's memory claim. Largest-batch rows search on a GPU only.
+
 Every row times the training step that ddpm.py runs (`train_step` + `ema_update`, data loading
 included), with CUDA events on a GPU: the median over `--iters` iterations after `--warmup`
 (compilation and warm-up stay off the clock). FLOPs are counted by torch.utils.flop_counter
@@ -19,6 +25,12 @@ included), with CUDA events on a GPU: the median over `--iters` iterations after
 attention matmuls. MFU = counted FLOP/s / peak: the datasheet peak for the row's precision
 (A100/H100/H200; fp32 rows use the non-tensor-core fp32 peak) and the matmul rate measured on the
 device in the row's dtype.
+
+    python benchmark.py --sample --preset lsun-p4 --patch_sizes 1,2,4,8   # sampling speed at each P
+
+--sample: images/s, s/image, network evaluations per image and per second, counted GFLOP per image and peak
+memory of the preset's sampler (its steps, guidance and thresholding), the preset rebuilt at each Q, as
+sample.py reports them. Any other --field=value of the two configs changes the preset, as in ddpm.py.
 
 Measured (2026-12-02, seed, reduced ladder, medians of 3 runs): on 2 AVX512-BF16 CPU cores SDPA 2.51x and
 SDPA + bf16 3.05x the baseline's TFLOP/s; on 2 AVX2 cores SDPA 2.24x and SDPA + channels_last 2.45x. Every
@@ -156,10 +168,13 @@ def repatched(mc, patch_size):
     return dataclasses.replace(mc, patch_size=patch_size, attn_resolutions=attn)
 
 
-# (name, the change it makes to the row above); batch "max" searches the largest batch that fits
+# (name, the change it makes to the row above); batch "max" searches the largest batch that fits (GPU).
+# A row marked alone=True changes the last cumulative row for itself only: the next row builds on what was
+# there before it.
 LADDER = [
     ("baseline", dict(precision="fp32", compile=False, compile_mode="default", attention="math",
-                      channels_last=False, loader="dataloader", batch="base")),
+                      channels_last=False, loader="dataloader", batch="base", accum_steps=1,
+                      checkpointing=False)),
     ("scale up batch", dict(batch="max")),
     ("torch.compile", dict(compile=True)),
     ("PyTorch SDPA", dict(attention="sdpa", batch="max")),
@@ -169,7 +184,14 @@ LADDER = [
     ("device-resident data", dict(loader="resident")),  # the whole dataset on the device, against FFCV above
     ("compile max-autotune", dict(compile_mode="max-autotune")),
     ("CUDA graphs", dict(compile_mode="reduce-overhead")),  # replaces max-autotune (or adds to default)
+    # for GPUs without bf16 (V100, T4, P100): fp16 autocast with the dynamic loss scaler
+    ("fp16 autocast", dict(precision="fp16", alone=True)),
+    ("grad accumulation x4", dict(accum_steps=4, alone=True)),  # the same batch, as 4 micro-batches
+    ("activation checkpointing", dict(checkpointing=True, alone=True)),  # the same batch, blocks recomputed
+    ("checkpointing, largest batch", dict(checkpointing=True, batch="max", alone=True)),
     ("patch_size P", dict(patch_size="P")),  # P = --patch_size; same width and batch as the row above
+    # the paper's memory claim: against the largest batch at the preset's own P (the rows above it)
+    ("patch_size P, largest batch", dict(batch="max", alone=True)),
 ]
 
 
@@ -178,7 +200,8 @@ def build(mc, row, batch, device, images, labels, beton):
     torch.manual_seed(0)
     tc = ddpm.TrainerConfig(batch_size=batch, compile=row["compile"], compile_mode=row["compile_mode"])
     fmt = ddpm.memory_format(row["channels_last"])
-    model = UNet(mc, attention=row["attention"]).to(device, memory_format=fmt)
+    model = UNet(mc, attention=row["attention"], activation_checkpointing=row["checkpointing"])
+    model = model.to(device, memory_format=fmt)
     ema = UNet(mc, attention=row["attention"]).to(device, memory_format=fmt).requires_grad_(False)
     opt = ddpm.make_optimizer(model, tc, device)
     forward = ddpm.compiled(model, tc)
@@ -198,6 +221,7 @@ def time_steps(mc, row, batch, device, images, labels, beton, warmup, iters):
 
     model, ema, diffusion, opt, forward, loader = build(mc, row, batch, device, images, labels, beton)
     ddpm.set_matmul_precision(row["precision"])
+    scaler = ddpm.grad_scaler(device, row["precision"])  # fp16 only
     timer = ddpm.StepTimer(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -208,7 +232,8 @@ def time_steps(mc, row, batch, device, images, labels, beton, warmup, iters):
                 timer.start()
             x0, y = loader.next()
             _, _, ok = ddpm.train_step(forward, diffusion, opt, x0, y, row["precision"], 1.0,
-                                       channels_last=row["channels_last"])
+                                       channels_last=row["channels_last"], accum_steps=row["accum_steps"],
+                                       scaler=scaler)
             ddpm.ema_update(ema, model, ddpm.TrainerConfig.ema_decay, ok)  # as train() calls it
             if i >= warmup:
                 timer.stop()
@@ -244,6 +269,81 @@ def largest_batch(mc, row, device, images, labels, start, limit):
     return best
 
 
+def sampling_table(mc, tc, device, patch_sizes, batch, steps):
+    """Sampling speed of the preset rebuilt at each patch size Q (benchmark.repatched: the same widths,
+    attention over the same image regions), with its sampler, guidance and thresholding: what sample.py
+    reports, per Q, plus the counted forward FLOPs per image. Random weights (speed does not depend on them),
+    eager, under the autocast sample.py uses. One untimed 2-step warm-up per Q; the clock stops after the
+    device has finished."""
+    import time
+
+    import sample
+
+    precision = ddpm.resolve_precision("auto", device)
+    rows = []
+    for q in patch_sizes:
+        mcq = repatched(mc, q)
+        try:
+            ddpm.validate(mcq, tc)
+        except ddpm.ConfigError as e:
+            print(f"P = {q}: {e}")
+            rows.append({"patch_size": q, "skipped": str(e)})
+            continue
+        torch.manual_seed(0)
+        net = ddpm.autocast_model(UNet(mcq).to(device).eval().requires_grad_(False), device, precision)
+        diffusion = ddpm.Diffusion(mcq).to(device)
+        evaluated = [0]  # images through the network, a guided step counting twice
+
+        def counted(z, t, y=None):
+            evaluated[0] += len(z)
+            return net(z, t, y)
+
+        y = (torch.arange(batch) % mcq.num_classes).to(device) if mcq.num_classes else None
+        shape = (batch, mcq.channels, mcq.image_size, mcq.image_size)
+        kw = dict(sampler=tc.sampler, y=y, guidance=tc.guidance, threshold=tc.threshold)
+        try:
+            diffusion.sample(net, shape, steps=min(2, steps or mcq.timesteps), **kw)  # warm-up
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+            t0 = time.perf_counter()
+            diffusion.sample(counted, shape, steps=steps or None, generator=torch.Generator().manual_seed(0),
+                             **kw)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            speed = sample.sampling_speed(batch, evaluated[0], time.perf_counter() - t0, device)
+        except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
+            reason = f"failed: {type(e).__name__}: {data.first_line(e)[:200]}"
+            print(f"P = {q}: {reason}")
+            rows.append({"patch_size": q, "skipped": reason})
+            free_memory(device)
+            continue
+        free_memory(device)
+        if device.type != "cuda":  # the process's max RSS spans every row before this one: not per row
+            speed.update(peak_memory_bytes=None, peak_memory="n/a on the CPU")
+        row = {"patch_size": q, "batch": batch, "sampler": tc.sampler, "steps": steps or mcq.timesteps,
+               "guidance": tc.guidance, "threshold": tc.threshold, "autocast": precision, **speed,
+               "gflop_per_image": ddpm.forward_flops_per_image(mcq) * speed["nfe_per_image"] / 1e9}
+        rows.append(row)
+        print(f"P = {q}: {row['img_per_s']:.3g} img/s, {row['s_per_img']:.3g} s/image, "
+              f"{row['gflop_per_image']:,.1f} GFLOP/image", flush=True)
+    measured = [r for r in rows if "skipped" not in r]
+    base = next((r for r in measured if r["patch_size"] == 1), measured[0] if measured else None)
+    print(f"\n| P | batch | steps | img/s | s/image | NFE/image | NFE/s | GFLOP/image | img/s vs P = "
+          f"{base['patch_size'] if base else 1} | FLOPs ratio | peak memory |\n|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "skipped" in r:
+            print(f"| {r['patch_size']} | skipped: {r['skipped']} | | | | | | | | | |")
+            continue
+        r["speedup"] = r["img_per_s"] / base["img_per_s"]
+        r["flops_ratio"] = base["gflop_per_image"] / r["gflop_per_image"]
+        mem = f"{r['peak_memory_bytes'] / 2**30:.2f} GB" if r["peak_memory_bytes"] is not None else "n/a"
+        print(f"| {r['patch_size']} | {r['batch']} | {r['steps']} | {r['img_per_s']:.3g} | {r['s_per_img']:.3g} | "
+              f"{r['nfe_per_image']:.0f} | {r['nfe_per_s']:.3g} | {r['gflop_per_image']:,.1f} | "
+              f"{r['speedup']:.2f}x | {r['flops_ratio']:.2f}x | {mem} |")
+    return rows
+
+
 @torch.random.fork_rng(devices=[])  # building a model must not move the training RNG (exact resume)
 def torchinfo_flops_per_image(mc):
     """The reference repo's estimate: torchinfo's forward mult-adds x 2 FLOPs x 3 (forward + backward).
@@ -262,7 +362,9 @@ def torchinfo_flops_per_image(mc):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="The efficiency ladder with MFU.")
+    p = argparse.ArgumentParser(description="The efficiency ladder with MFU. Any other --field=value of "
+                                            "ModelConfig or TrainerConfig changes the preset, as in ddpm.py.",
+                                allow_abbrev=False)
     p.add_argument("--preset", default="seed", choices=list(ddpm.PRESETS))
     p.add_argument("--device", default="auto", help="'auto', 'cuda', 'cpu', ...")
     p.add_argument("--batch", type=int, default=0,
@@ -286,7 +388,14 @@ def main(argv=None):
     p.add_argument("--loader_workers", type=int, default=2, help="--loaders: worker threads/processes")
     p.add_argument("--epochs", type=int, default=3,
                    help="--loaders: epochs per loader (the first reported apart)")
-    args = p.parse_args(argv)
+    p.add_argument("--sample", action="store_true",
+                   help="instead of the ladder: sampling speed at each of --patch_sizes (as sample.py reports it)")
+    p.add_argument("--patch_sizes", default="1,2,4,8", help="--sample: the patch sizes Q, comma-separated")
+    p.add_argument("--sample_batch", type=int, default=0, help="--sample: images per batch; 0 = 64 on a GPU, "
+                                                                "2 on the CPU")
+    p.add_argument("--sample_steps", type=int, default=-1,
+                   help="--sample: sampler steps; 0 = all T; -1 = the preset's sample_steps")
+    args, overrides = p.parse_known_args(argv)
     if args.loaders:
         try:
             for name in ("loader_batch", "loader_workers", "epochs"):
@@ -306,20 +415,40 @@ def main(argv=None):
             if not os.path.isdir(folder) or not os.access(folder, os.W_OK) or os.path.isdir(args.json):
                 raise ddpm.ConfigError(f"--json {args.json}: cannot write there (does its folder exist?)")
         device = ddpm.resolve_device(args.device)
-        mc, _, _ = ddpm.parse_args(["--preset", args.preset])
+        for o in overrides:
+            if not o.startswith("--") or "=" not in o:
+                raise ddpm.ConfigError(f"unrecognised argument {o}: preset fields take the form --field=value")
+        mc, tc, _ = ddpm.parse_args(["--preset", args.preset, *overrides])
+        patch_sizes = [q.strip() for q in args.patch_sizes.split(",")]
+        if not all(q.isdigit() and int(q) >= 1 for q in patch_sizes):
+            raise ddpm.ConfigError(f"--patch_sizes {args.patch_sizes}: give integers >= 1, e.g. 1,2,4,8")
+        if args.sample_batch < 0 or not -1 <= args.sample_steps <= mc.timesteps:
+            raise ddpm.ConfigError(f"--sample: need --sample_batch >= 0 and -1 <= --sample_steps <= timesteps "
+                                   f"= {mc.timesteps}")
     except ddpm.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     gpu = device.type == "cuda"
     if not gpu:
         ddpm.keep_freed_memory()  # as train() does on a CPU
+    device_name = torch.cuda.get_device_name(device) if gpu else ddpm.cpu_name()
+    if args.sample:
+        print(f"# sampling, {args.preset} at P = {args.patch_sizes}, on {device_name}, torch {torch.__version__}, "
+              f"{datetime.date.today()}\n")
+        steps = tc.sample_steps if args.sample_steps < 0 else args.sample_steps
+        rows = sampling_table(mc, tc, device, [int(q) for q in patch_sizes], args.sample_batch or (64 if gpu else 2), steps)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"preset": args.preset, "overrides": overrides, "device": device_name,
+                           "torch": torch.__version__, "date": str(datetime.date.today()), "rows": rows}, f,
+                          indent=2)
+        return rows
     base_batch = args.base_batch or (128 if gpu else 4)
     iters, warmup = args.iters or (50 if gpu else 3), args.warmup or (10 if gpu else 1)
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
 
     # the data: the built-in shapes at the preset's resolution, in memory and as a beton
     images, labels, _ = data.shapes(max(4096, 4 * base_batch), mc.image_size)
-    device_name = torch.cuda.get_device_name(device) if gpu else ddpm.cpu_name()
     print(f"# {args.preset} on {device_name}, torch {torch.__version__}, {datetime.date.today()}\n")
 
     def save(rows):
@@ -332,10 +461,12 @@ def main(argv=None):
                            "date": str(datetime.date.today()), "iters": iters, "warmup": warmup,
                            "rows": rows}, f, indent=2)
 
-    rows, cfg, scaled_batch, interrupted, name = [], {}, None, False, None
+    rows, cfg, scaled_batch, scaled_by, interrupted, name = [], {}, None, None, False, None
     try:  # a ladder cut short (Ctrl-C, or `timeout -s INT`) still prints the rows it measured
         for name, change in LADDER:
-            trial = {**cfg, **change}
+            alone = change.get("alone", False)
+            trial = {**cfg, **{k: v for k, v in change.items() if k != "alone"}}
+            name = name.replace("patch_size P", f"patch_size {args.patch_size}")
             reason = None
             if name in skip:
                 reason = "skipped by --skip"
@@ -352,14 +483,17 @@ def main(argv=None):
                 reason = "CUDA graphs need a GPU"
             elif trial["compile_mode"] != "default" and not trial["compile"]:
                 reason = "needs the torch.compile row"
+            elif trial["precision"] == "fp16" and not gpu:
+                reason = "fp16 is for GPUs without bf16; a CPU emulates it (7x slower than bf16 here)"
+            elif alone and change.get("batch") == "max" and not gpu:
+                reason = "the largest-batch search needs a GPU (it stops at the first out-of-memory error)"
+            elif trial["accum_steps"] > 1 and (scaled_batch or base_batch) % trial["accum_steps"]:
+                reason = f"the batch does not split into {trial['accum_steps']} micro-batches"
             if reason:
                 print(f"{name}: {reason}")
                 rows.append({"version": name, "skipped": reason})
                 continue
-            prev, cfg = cfg, trial
-            if name == "patch_size P":
-                name = f"patch_size {args.patch_size}"
-            mc_row = repatched(mc, args.patch_size) if "patch_size" in cfg else mc
+            mc_row = repatched(mc, args.patch_size) if "patch_size" in trial else mc
             if mc_row.patch_size != mc.patch_size:
                 try:
                     ddpm.validate(mc_row, ddpm.TrainerConfig())
@@ -368,40 +502,44 @@ def main(argv=None):
                     rows.append({"version": name, "skipped": str(e)})
                     continue
             try:
-                if cfg["batch"] == "base":
+                if trial["batch"] == "base":
                     batch = base_batch
                 elif change.get("batch") == "max":
-                    batch = args.batch or (largest_batch(mc_row, cfg, device, images, labels, base_batch,
-                                                         args.max_batch)
-                                           if gpu else 2 * base_batch)
-                    scaled_batch = batch
+                    batch = (largest_batch(mc_row, trial, device, images, labels, base_batch, args.max_batch)
+                             if alone else args.batch or (
+                                 largest_batch(mc_row, trial, device, images, labels, base_batch, args.max_batch)
+                                 if gpu else 2 * base_batch))
+                    if not alone:
+                        scaled_batch, scaled_by = batch, name
                 else:
                     batch = scaled_batch or base_batch  # (the scaling row may have been skipped)
                 if len(images) < batch * (warmup + iters):
                     images, labels, _ = data.shapes(batch * (warmup + iters), mc.image_size)
                 beton = None
-                if cfg["loader"] == "ffcv":  # the same images as a beton, written once per size and reused
+                if trial["loader"] == "ffcv":  # the same images as a beton, written once per size and reused
                     beton, _ = data.beton_for("shapes", "", mc.image_size, data.BETON_DIR,
                                               shapes_count=len(images))
-                ms, mem = time_steps(mc_row, cfg, batch, device, images, labels, beton, warmup, iters)
+                ms, mem = time_steps(mc_row, trial, batch, device, images, labels, beton, warmup, iters)
             # e.g. a compile mode this torch cannot do here
             except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
                 reason = f"failed: {type(e).__name__}: {data.first_line(e)[:200]}"
                 print(f"{name}: {reason}")
                 rows.append({"version": name, "skipped": reason})
-                cfg = prev  # a failed row adds nothing, as a skipped one
-                free_memory(device)
+                free_memory(device)  # a failed row adds nothing, as a skipped one
                 continue
             free_memory(device)
+            if not alone:
+                cfg = trial
             flops = ddpm.train_flops_per_image(mc_row) * batch
             info = torchinfo_flops_per_image(mc_row)
-            dtype = torch.bfloat16 if cfg["precision"] == "bf16" else torch.float32
-            sheet = ddpm.datasheet_peak(device, cfg["precision"])
+            dtype = ddpm.AUTOCAST_DTYPES.get(trial["precision"], torch.float32)
+            sheet = ddpm.datasheet_peak(device, trial["precision"])
             measured = ddpm.measure_matmul_flops(device, dtype)
-            row = {"version": name, "batch": batch, "precision": cfg["precision"], "compile": cfg["compile"],
-                   "compile_mode": cfg["compile_mode"], "attention": cfg["attention"],
-                   "channels_last": cfg["channels_last"], "loader": cfg["loader"],
-                   "patch_size": mc_row.patch_size,
+            row = {"version": name, "batch": batch, "precision": trial["precision"],
+                   "compile": trial["compile"], "compile_mode": trial["compile_mode"],
+                   "attention": trial["attention"], "channels_last": trial["channels_last"],
+                   "loader": trial["loader"], "accum_steps": trial["accum_steps"],
+                   "activation_checkpointing": trial["checkpointing"], "patch_size": mc_row.patch_size,
                    "step_ms": ms, "img_per_s": batch / ms * 1e3, "tflops": flops / ms / 1e9,
                    "tflops_torchinfo_x3": info * batch / ms / 1e9 if info else None,
                    "mfu_datasheet": ddpm.mfu(flops, ms / 1e3, sheet) if sheet else None,
@@ -432,6 +570,11 @@ def main(argv=None):
         print(f"| {r['version']} | {r['batch']} | {r['step_ms']:.1f} | {r['img_per_s']:.1f} | "
               f"{r['tflops']:.3f} | {info} | {r['speedup']:.2f}x | {pct(r['mfu_datasheet'])} | "
               f"{pct(r['mfu_measured'])} | {mem} |")
+    fits = [r for r in rows if "skipped" not in r and r["version"].endswith("largest batch")]
+    if fits and scaled_by:  # the memory checkpointing and patching save, as the batch they let fit
+        print(f"\nLargest batch that fits (powers of two, eager step): {scaled_batch} at P = {mc.patch_size} "
+              f"(row '{scaled_by}')" + "".join(f"; {r['batch']} with '{r['version']}' "
+                                              f"({r['batch'] / scaled_batch:.0f}x)" for r in fits))
     if interrupted:
         sys.exit(130)  # an incomplete ladder is not a success
     return rows

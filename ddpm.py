@@ -783,6 +783,15 @@ def train_flops_per_image(mc, attention="sdpa"):
     Counted on the meta device (no memory, no compute) at batch 1; every op in the UNet is
     linear in the batch, so a step costs batch_size times this.
     """
+    return counted_flops(mc, attention, backward=True)
+
+
+def forward_flops_per_image(mc, attention="sdpa"):
+    """FLOPs of one network evaluation of one image (a sampler step), counted as train_flops_per_image."""
+    return counted_flops(mc, attention, backward=False)
+
+
+def counted_flops(mc, attention, backward):
     from torch.utils.flop_counter import FlopCounterMode
 
     with torch.device("meta"):
@@ -791,7 +800,9 @@ def train_flops_per_image(mc, attention="sdpa"):
         t = torch.zeros(1, dtype=torch.long)
         y = torch.zeros(1, dtype=torch.long) if mc.num_classes > 0 else None
     with FlopCounterMode(display=False) as counter:
-        model(x, t, y).sum().backward()
+        out = model(x, t, y)
+        if backward:
+            out.sum().backward()
     return counter.get_total_flops()
 
 

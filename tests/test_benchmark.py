@@ -52,7 +52,7 @@ def test_cpu_ladder_rows_are_well_formed(tmp_path):
                     "--json", str(out)])
     result = json.load(open(out))
     names = [r["version"] for r in result["rows"]]
-    assert names == [name for name, _ in benchmark.LADDER][:-1] + ["patch_size 2"]
+    assert names == [name.replace("patch_size P", "patch_size 2") for name, _ in benchmark.LADDER]
     ran = [r for r in result["rows"] if "skipped" not in r]
     assert ran[0]["version"] == "baseline" and ran[0]["speedup"] == 1.0 and ran[0]["batch"] == 4
     assert ran[0]["precision"] == "fp32" and ran[0]["attention"] == "math" and ran[0]["loader"] == "dataloader"
@@ -61,6 +61,53 @@ def test_cpu_ladder_rows_are_well_formed(tmp_path):
         assert r["img_per_s"] == pytest.approx(r["batch"] / r["step_ms"] * 1e3)
     skipped = {r["version"]: r["skipped"] for r in result["rows"] if "skipped" in r}
     assert "torch.compile" in skipped  # off on the CPU unless --cpu_compile
+    assert {"fp16 autocast", "checkpointing, largest batch", "patch_size 2, largest batch"} <= set(skipped)
+    by = {r["version"]: r for r in ran}
+    # the rows that vary their row alone, and that nothing after them inherits their change
+    assert (by["grad accumulation x4"]["accum_steps"], by["activation checkpointing"]["activation_checkpointing"]) \
+        == (4, True)
+    last = by["patch_size 2"]
+    assert (last["accum_steps"], last["activation_checkpointing"], last["patch_size"]) == (1, False, 2)
+    assert last["batch"] == by["scale up batch"]["batch"] == by["activation checkpointing"]["batch"]
+
+
+def test_fp16_rows_step_through_the_loss_scaler(monkeypatch):
+    """The fp16 row's step is train()'s: GradScaler scales the loss and updates its scale (on the CPU here)."""
+    import data
+
+    scalers = []
+    real = ddpm.grad_scaler
+    monkeypatch.setattr(ddpm, "grad_scaler", lambda *a: scalers.append(real(*a)) or scalers[-1])
+    mc = tiny_model()
+    row = dict(benchmark.LADDER[0][1], precision="fp16", attention="sdpa", loader="resident")
+    images, labels, _ = data.shapes(64, mc.image_size)
+    ms, mem = benchmark.time_steps(mc, row, 4, torch.device("cpu"), images, labels, None, warmup=1, iters=2)
+    assert ms > 0 and mem is None
+    assert len(scalers) == 1 and scalers[0].get_scale() == 2.0**16  # no overflow in 3 steps: scale unchanged
+    assert scalers[0]._get_growth_tracker() == 3
+
+
+def test_sampling_table_across_patch_sizes(tmp_path, capsys):
+    out = tmp_path / "sample.json"
+    rows = benchmark.main(["--sample", "--preset", "demo", "--device", "cpu", "--patch_sizes", "1,2,16",
+                           "--sample_steps", "2", "--sample_batch", "2", "--base_channels=32", "--json", str(out)])
+    assert rows == json.load(open(out))["rows"]
+    p1, p2, p16 = rows
+    assert "skipped" in p16  # a 16 px image has no 16x16 patches with levels below them
+    for r in (p1, p2):
+        assert r["nfe_per_image"] == 4 and r["steps"] == 2 and r["guidance"] == 2.0  # the demo's guidance
+        assert r["img_per_s"] > 0 and r["s_per_img"] == pytest.approx(1 / r["img_per_s"])
+    assert p1["gflop_per_image"] / p2["gflop_per_image"] == pytest.approx(p2["flops_ratio"]) and p2["flops_ratio"] > 3.5
+    assert "| 2 | 2 | 2 |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args,needle", [(["--patch_sizes", "1,x"], "--patch_sizes"),
+                                         (["--sample_steps", "5000"], "sample_steps"),
+                                         (["--base_channels=0"], "base_channels"), (["stray"], "stray")])
+def test_bad_sampling_arguments_are_one_line(capsys, args, needle):
+    from conftest import one_line_error
+
+    assert needle in one_line_error(capsys, benchmark.main, ["--sample", "--preset", "demo", "--device", "cpu", *args])
 
 
 def test_batch_search_doubles_until_the_first_out_of_memory(monkeypatch):
