@@ -330,7 +330,7 @@ def sampling_table(mc, tc, device, patch_sizes, batch, steps):
     measured = [r for r in rows if "skipped" not in r]
     base = next((r for r in measured if r["patch_size"] == 1), measured[0] if measured else None)
     print(f"\n| P | batch | steps | img/s | s/image | NFE/image | NFE/s | GFLOP/image | img/s vs P = "
-          f"{base['patch_size'] if base else 1} | FLOPs ratio | peak memory |\n|---|---|---|---|---|---|---|---|---|---|---|")
+          f"{base['patch_size'] if base else 1} | FLOPs ratio | peak memory |\n" + "|---" * 11 + "|")
     for r in rows:
         if "skipped" in r:
             print(f"| {r['patch_size']} | skipped: {r['skipped']} | | | | | | | | | |")
@@ -338,9 +338,9 @@ def sampling_table(mc, tc, device, patch_sizes, batch, steps):
         r["speedup"] = r["img_per_s"] / base["img_per_s"]
         r["flops_ratio"] = base["gflop_per_image"] / r["gflop_per_image"]
         mem = f"{r['peak_memory_bytes'] / 2**30:.2f} GB" if r["peak_memory_bytes"] is not None else "n/a"
-        print(f"| {r['patch_size']} | {r['batch']} | {r['steps']} | {r['img_per_s']:.3g} | {r['s_per_img']:.3g} | "
-              f"{r['nfe_per_image']:.0f} | {r['nfe_per_s']:.3g} | {r['gflop_per_image']:,.1f} | "
-              f"{r['speedup']:.2f}x | {r['flops_ratio']:.2f}x | {mem} |")
+        print(f"| {r['patch_size']} | {r['batch']} | {r['steps']} | {r['img_per_s']:.3g} | "
+              f"{r['s_per_img']:.3g} | {r['nfe_per_image']:.0f} | {r['nfe_per_s']:.3g} | "
+              f"{r['gflop_per_image']:,.1f} | {r['speedup']:.2f}x | {r['flops_ratio']:.2f}x | {mem} |")
     return rows
 
 
@@ -389,7 +389,7 @@ def main(argv=None):
     p.add_argument("--epochs", type=int, default=3,
                    help="--loaders: epochs per loader (the first reported apart)")
     p.add_argument("--sample", action="store_true",
-                   help="instead of the ladder: sampling speed at each of --patch_sizes (as sample.py reports it)")
+                   help="instead of the ladder: sampling speed at each of --patch_sizes, as sample.py has it")
     p.add_argument("--patch_sizes", default="1,2,4,8", help="--sample: the patch sizes Q, comma-separated")
     p.add_argument("--sample_batch", type=int, default=0, help="--sample: images per batch; 0 = 64 on a GPU, "
                                                                 "2 on the CPU")
@@ -417,14 +417,14 @@ def main(argv=None):
         device = ddpm.resolve_device(args.device)
         for o in overrides:
             if not o.startswith("--") or "=" not in o:
-                raise ddpm.ConfigError(f"unrecognised argument {o}: preset fields take the form --field=value")
+                raise ddpm.ConfigError(f"unrecognised argument {o}: preset fields are given as --field=value")
         mc, tc, _ = ddpm.parse_args(["--preset", args.preset, *overrides])
         patch_sizes = [q.strip() for q in args.patch_sizes.split(",")]
         if not all(q.isdigit() and int(q) >= 1 for q in patch_sizes):
             raise ddpm.ConfigError(f"--patch_sizes {args.patch_sizes}: give integers >= 1, e.g. 1,2,4,8")
         if args.sample_batch < 0 or not -1 <= args.sample_steps <= mc.timesteps:
-            raise ddpm.ConfigError(f"--sample: need --sample_batch >= 0 and -1 <= --sample_steps <= timesteps "
-                                   f"= {mc.timesteps}")
+            raise ddpm.ConfigError(f"--sample: need --sample_batch >= 0 and -1 <= --sample_steps <= "
+                                   f"timesteps = {mc.timesteps}")
     except ddpm.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -433,10 +433,11 @@ def main(argv=None):
         ddpm.keep_freed_memory()  # as train() does on a CPU
     device_name = torch.cuda.get_device_name(device) if gpu else ddpm.cpu_name()
     if args.sample:
-        print(f"# sampling, {args.preset} at P = {args.patch_sizes}, on {device_name}, torch {torch.__version__}, "
-              f"{datetime.date.today()}\n")
+        print(f"# sampling, {args.preset} at P = {args.patch_sizes}, on {device_name}, "
+              f"torch {torch.__version__}, {datetime.date.today()}\n")
         steps = tc.sample_steps if args.sample_steps < 0 else args.sample_steps
-        rows = sampling_table(mc, tc, device, [int(q) for q in patch_sizes], args.sample_batch or (64 if gpu else 2), steps)
+        batch = args.sample_batch or (64 if gpu else 2)
+        rows = sampling_table(mc, tc, device, [int(q) for q in patch_sizes], batch, steps)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"preset": args.preset, "overrides": overrides, "device": device_name,
@@ -505,10 +506,9 @@ def main(argv=None):
                 if trial["batch"] == "base":
                     batch = base_batch
                 elif change.get("batch") == "max":
-                    batch = (largest_batch(mc_row, trial, device, images, labels, base_batch, args.max_batch)
-                             if alone else args.batch or (
-                                 largest_batch(mc_row, trial, device, images, labels, base_batch, args.max_batch)
-                                 if gpu else 2 * base_batch))
+                    search = lambda: largest_batch(mc_row, trial, device, images, labels,  # noqa: E731
+                                                   base_batch, args.max_batch)
+                    batch = search() if alone else args.batch or (search() if gpu else 2 * base_batch)
                     if not alone:
                         scaled_batch, scaled_by = batch, name
                 else:
