@@ -188,10 +188,10 @@ LADDER = [
     ("fp16 autocast", dict(precision="fp16", alone=True)),
     ("grad accumulation x4", dict(accum_steps=4, alone=True)),  # the same batch, as 4 micro-batches
     ("activation checkpointing", dict(checkpointing=True, alone=True)),  # the same batch, blocks recomputed
-    ("checkpointing, largest batch", dict(checkpointing=True, batch="max", alone=True)),
+    ("checkpointing at the largest batch", dict(checkpointing=True, batch="max", alone=True)),
     ("patch_size P", dict(patch_size="P")),  # P = --patch_size; same width and batch as the row above
     # the paper's memory claim: against the largest batch at the preset's own P (the rows above it)
-    ("patch_size P, largest batch", dict(batch="max", alone=True)),
+    ("patch_size P at the largest batch", dict(batch="max", alone=True)),
 ]
 
 
@@ -376,6 +376,7 @@ def main(argv=None):
                    help="untimed iterations per row (compilation included); 0 = 10 on a GPU, 1 on the CPU")
     p.add_argument("--max_batch", type=int, default=16384, help="upper limit of the batch search")
     p.add_argument("--skip", default="", help="comma-separated row names to skip, e.g. 'torch.compile'")
+    p.add_argument("--rows", default="", help="comma-separated row names to run, the others skipped; '' = all")
     p.add_argument("--patch_size", type=int, default=2,
                    help="P of the last row, compared with P = 1 at the same width and batch")
     p.add_argument("--cpu_compile", action="store_true", help="also run the torch.compile row on the CPU")
@@ -446,7 +447,13 @@ def main(argv=None):
         return rows
     base_batch = args.base_batch or (128 if gpu else 4)
     iters, warmup = args.iters or (50 if gpu else 3), args.warmup or (10 if gpu else 1)
-    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    names = [name.replace("patch_size P", f"patch_size {args.patch_size}") for name, _ in LADDER]
+    skip, only = ({s.strip() for s in spec.split(",") if s.strip()} for spec in (args.skip, args.rows))
+    if (skip | only) - set(names):
+        print(f"error: no ladder row is called {', '.join(sorted((skip | only) - set(names)))}; the rows: "
+              f"{', '.join(names)}", file=sys.stderr)
+        sys.exit(2)
+    skip |= set(names) - only if only else set()
 
     # the data: the built-in shapes at the preset's resolution, in memory and as a beton
     images, labels, _ = data.shapes(max(4096, 4 * base_batch), mc.image_size)
@@ -470,7 +477,7 @@ def main(argv=None):
             name = name.replace("patch_size P", f"patch_size {args.patch_size}")
             reason = None
             if name in skip:
-                reason = "skipped by --skip"
+                reason = "not in --rows" if only and name not in only else "skipped by --skip"
             elif trial["loader"] == "ffcv" and not data.ffcv_available():
                 reason = "ffcv is not installed"
             elif trial["precision"] == "bf16" and not (gpu and torch.cuda.is_bf16_supported()) and not (

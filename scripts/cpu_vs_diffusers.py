@@ -86,14 +86,14 @@ def their_config(dropout):
 # ----------------------------------------------------------------------------- theirs
 
 
-def build_theirs(dropout):
+def build_theirs(dropout, device=CPU):
     """-> step(batch, bf16) of train_unconditional.py's loop, and the parameter count."""
     from diffusers import DDPMScheduler, UNet2DModel
     from diffusers.optimization import get_scheduler
     from diffusers.training_utils import EMAModel
 
     torch.manual_seed(0)
-    model = UNet2DModel(**their_config(dropout)).train()
+    model = UNet2DModel(**their_config(dropout)).to(device).train()
     scheduler = DDPMScheduler(num_train_timesteps=1000, beta_schedule="linear")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.95, 0.999), weight_decay=1e-6, eps=1e-8)
     lr_scheduler = get_scheduler("cosine", optimizer=opt, num_warmup_steps=500, num_training_steps=10**6)
@@ -104,16 +104,16 @@ def build_theirs(dropout):
     def step(batch, bf16):
         weight_dtype = torch.bfloat16 if bf16 else torch.float32
         if batch not in data:
-            data[batch] = torch.rand(batch, 3, IMAGE_SIZE, IMAGE_SIZE) * 2 - 1  # Normalize([0.5], [0.5])
+            data[batch] = torch.rand(batch, 3, IMAGE_SIZE, IMAGE_SIZE, device=device) * 2 - 1  # Normalize([.5], [.5])
         clean = data[batch].to(weight_dtype)
         noise = torch.randn(clean.shape, dtype=weight_dtype, device=clean.device)
         t = torch.randint(0, scheduler.config.num_train_timesteps, (batch,), device=clean.device).long()
         noisy = scheduler.add_noise(clean, noise, t)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):  # accelerate's wrapper of model.forward
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):  # accelerate's wrapper of forward
             pred = model(noisy, t).sample
         loss = F.mse_loss(pred.float(), noise.float())
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # accelerator.clip_grad_norm_ on one CPU process
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # accelerator.clip_grad_norm_ on one process
         opt.step()
         lr_scheduler.step()
         opt.zero_grad()
@@ -140,7 +140,7 @@ def count_theirs():
 # ----------------------------------------------------------------------------- ours
 
 
-def build_ours(dropout, mode):
+def build_ours(dropout, mode, device=CPU):
     """-> step(batch) of ddpm.train's loop with `python ddpm.py`'s defaults (compile only in mode 'compile',
     precision fp32 in mode 'fp32'), and the parameter count."""
     import ddpm
@@ -149,19 +149,19 @@ def build_ours(dropout, mode):
     torch.manual_seed(0)
     mc = model_config(dropout)
     tc = ddpm.TrainerConfig(compile=mode == "compile", precision="fp32" if mode == "fp32" else "auto")
-    precision = ddpm.resolve_precision(tc.precision, CPU)
+    precision = ddpm.resolve_precision(tc.precision, device)
     ddpm.set_matmul_precision(precision)
-    channels_last = ddpm.resolve_channels_last(tc.channels_last, CPU, precision)
-    model = UNet(mc, attention=tc.attention).to(CPU, memory_format=ddpm.memory_format(channels_last))
+    channels_last = ddpm.resolve_channels_last(tc.channels_last, device, precision)
+    model = UNet(mc, attention=tc.attention).to(device, memory_format=ddpm.memory_format(channels_last))
     ema = copy.deepcopy(model).requires_grad_(False).eval()
-    diffusion = ddpm.Diffusion(mc).to(CPU)
-    opt = ddpm.make_optimizer(model, tc, CPU)
+    diffusion = ddpm.Diffusion(mc).to(device)
+    opt = ddpm.make_optimizer(model, tc, device)
     forward = ddpm.compiled(model, tc)
     steps, data = itertools.count(), {}
 
     def step(batch):
         if batch not in data:
-            data[batch] = torch.rand(batch, mc.channels, mc.image_size, mc.image_size) * 2 - 1
+            data[batch] = torch.rand(batch, mc.channels, mc.image_size, mc.image_size, device=device) * 2 - 1
         s = next(steps)
         for g in opt.param_groups:
             g["lr"] = ddpm.lr_at(s, tc)

@@ -1,26 +1,75 @@
 #!/usr/bin/env bash
-# On one GPU (H100/H200 class): the GPU-only tests, then the efficiency ladder for 'seed' and 'ho'.
-# Writes everything under OUT_DIR in about 8 minutes at most (the timeouts below: 120 + 190 + 150 s, each ladder
-# then 20 s to print its table); never yet run on a GPU, so how far each ladder gets in its time is unmeasured. What it cannot have, it skips:
-# without ffcv the FFCV row is skipped, without torchinfo its column reads n/a.
-#   bash scripts/gpu_bench.sh OUT_DIR            # TESTS_S=, SEED_S=, HO_S= change the timeouts (seconds)
+# On one GPU (H100/H200 class), in about 8 minutes at most, everything under OUT_DIR:
+#   env.txt           nvidia-smi, torch, git HEAD
+#   gpu_tests.md      the GPU-only tests (tests/test_gpu.py)
+#   seed.*, ho.*      the efficiency ladder (benchmark.py) for 'seed' and 'ho', with the fp16, accumulation and
+#                     activation-checkpointing rows
+#   patch.*           the paper's memory claim: lsun-p4 at its own P = 4 against P = 1, largest batches
+#   sample.*          sampling speed across P = 1, 2, 4, 8 (benchmark.py --sample, lsun-p4)
+#   vs_diffusers.*    our training step against diffusers' on the same network (scripts/gpu_vs_diffusers.py)
+# Each .md is a command's output, each .json its rows, status.txt the exit statuses. Each command has a time
+# cap (the *_S variables, in seconds; at its cap a command gets SIGINT, and a ladder then prints the rows it
+# measured); the caps add up to 480 s.
+# Never yet run on a GPU: how far each ladder gets within its cap is unmeasured.
+# What it cannot have, it skips: without ffcv the FFCV row, without torchinfo its column, without diffusers the
+# comparison. Missing pure-Python packages travel as wheels in .whl/ (git-ignored; carry it), fetched here with
+#   python3 -m pip download --no-deps -d .whl torchinfo diffusers==0.42.1 importlib_metadata zipp
+#
+#   bash scripts/gpu_bench.sh OUT_DIR             # on the GPU
+#   bash scripts/gpu_bench.sh --dry-run OUT_DIR   # every command on the CPU with tiny settings (tests its plumbing)
 set -uo pipefail
-out=${1:?usage: scripts/gpu_bench.sh OUT_DIR}
+dry=0
+if [ "${1:-}" = "--dry-run" ]; then dry=1; shift; fi
+out=${1:?usage: scripts/gpu_bench.sh [--dry-run] OUT_DIR}
 mkdir -p "$out" && out=$(cd "$out" && pwd)
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
-# pure-Python wheels carried in .whl/ (torchinfo, pytest, pluggy, iniconfig, packaging; on Python < 3.11 also
-# exceptiongroup, tomli) for machines without them
+py=${PYTHON:-python3}
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+  $py -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-{ nvidia-smi; python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda)"; git rev-parse HEAD; } > "$out/env.txt" 2>&1
-if python3 -c "import pytest" 2>/dev/null; then
-  timeout "${TESTS_S:-120}" python3 -m pytest -q tests/test_gpu.py 2>&1 | tee "$out/gpu_tests.txt"
+
+if [ $dry = 1 ]; then  # tiny models and a step or two per row, on the CPU
+  on=(--device cpu)
+  tiny=(--base_channels=16 --attn_head_dim=16)
+  seed=(--preset demo "${tiny[@]}" --skip "FFCV loading" --base_batch 2 --iters 1 --warmup 1)  # ffcv's JIT: 20 s
+  ho=(--preset demo "${tiny[@]}" --rows "baseline" --base_batch 2 --iters 1 --warmup 1)
+  patch=(--preset demo "${tiny[@]}" --patch_size 1 --rows "baseline,patch_size 1" --base_batch 2 --iters 1
+         --warmup 1)
+  samp=(--preset demo "${tiny[@]}" --patch_sizes 1,2 --sample_steps 1 --sample_batch 2)
+  vs=(--device cpu --batch 2 --ours eager --theirs bf16 --warmup 1 --timed 1)
 else
-  echo "pytest is not installed: GPU tests skipped (carry pytest, pluggy, iniconfig, packaging wheels in .whl/)" | tee "$out/gpu_tests.txt"
+  on=()
+  seed=(--preset seed --max_batch 1024 --warmup 5 --iters 20)
+  ho=(--preset ho --max_batch 512 --warmup 5 --iters 20)
+  # the rows of the memory claim: the largest batch at P = 4 (bf16 autocast) against P = 1, and with
+  # checkpointing; a 256x256 image at P = 1 needs small batches, so the searches start at 8
+  patch=(--preset lsun-p4 --patch_size 1 --base_batch 8 --max_batch 2048 --warmup 2 --iters 5
+         --rows "baseline,PyTorch SDPA,bf16 autocast,checkpointing at the largest batch,patch_size 1,$(
+                 )patch_size 1 at the largest batch")
+  samp=(--preset lsun-p4 --patch_sizes 1,2,4,8 --sample_steps 10 --sample_batch 16)
+  vs=(--batch 128 --warmup 5 --timed 20)
 fi
-# batch searches are capped so that 5 warm-up + 50 timed steps per row fit the budget; rows are saved
-# to the JSON as they finish, and SIGINT at the timeout makes benchmark.py print the table of the rows it measured
-timeout -s INT -k 20 "${SEED_S:-190}" python3 benchmark.py --preset seed --max_batch 1024 --warmup 5 --json "$out/seed.json" 2>&1 | tee "$out/seed.md"
-timeout -s INT -k 20 "${HO_S:-150}" python3 benchmark.py --preset ho --max_batch 512 --warmup 5 --json "$out/ho.json" 2>&1 | tee "$out/ho.md"
+
+{ nvidia-smi; $py -c "import torch; print('torch', torch.__version__, torch.version.cuda)"; git rev-parse HEAD; } \
+  > "$out/env.txt" 2>&1
+: > "$out/status.txt"
+run() {  # NAME CAP COMMAND...: its output in NAME.md, its exit status in status.txt (124/130: cut at its cap)
+  local name=$1 cap=$2; shift 2
+  timeout -s INT -k 20 "$cap" "$@" 2>&1 | tee "$out/$name.md"
+  echo "$name ${PIPESTATUS[0]}" >> "$out/status.txt"
+}
+if $py -c "import pytest" 2>/dev/null; then
+  run gpu_tests "${TESTS_S:-75}" $py -m pytest -q -p no:cacheprovider tests/test_gpu.py
+else
+  echo "pytest is not installed: GPU tests skipped" | tee "$out/gpu_tests.md"
+fi
+run seed "${SEED_S:-100}" $py benchmark.py "${on[@]}" "${seed[@]}" --json "$out/seed.json"
+run ho "${HO_S:-75}" $py benchmark.py "${on[@]}" "${ho[@]}" --json "$out/ho.json"
+run patch "${PATCH_S:-90}" $py benchmark.py "${on[@]}" "${patch[@]}" --json "$out/patch.json"
+run sample "${SAMPLE_S:-40}" $py benchmark.py "${on[@]}" --sample "${samp[@]}" --json "$out/sample.json"
+run vs_diffusers "${VS_S:-100}" $py scripts/gpu_vs_diffusers.py "${vs[@]}" --json "$out/vs_diffusers.json"
+cat "$out/status.txt"
+# a dry run fails if any command did (on the GPU a capped ladder is expected and keeps its rows)
+if [ $dry = 1 ] && grep -qv ' 0$' "$out/status.txt"; then exit 1; fi

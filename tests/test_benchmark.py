@@ -61,7 +61,7 @@ def test_cpu_ladder_rows_are_well_formed(tmp_path):
         assert r["img_per_s"] == pytest.approx(r["batch"] / r["step_ms"] * 1e3)
     skipped = {r["version"]: r["skipped"] for r in result["rows"] if "skipped" in r}
     assert "torch.compile" in skipped  # off on the CPU unless --cpu_compile
-    assert {"fp16 autocast", "checkpointing, largest batch", "patch_size 2, largest batch"} <= set(skipped)
+    assert {"fp16 autocast", "checkpointing at the largest batch", "patch_size 2 at the largest batch"} <= set(skipped)
     by = {r["version"]: r for r in ran}
     # the rows that vary their row alone, and that nothing after them inherits their change
     assert (by["grad accumulation x4"]["accum_steps"], by["activation checkpointing"]["activation_checkpointing"]) \
@@ -165,3 +165,37 @@ def test_any_patch_size_attends_over_the_same_regions(preset, q, attn):
     row = benchmark.repatched(mc, q)
     assert (row.patch_size, row.attn_resolutions) == (q, attn)
     ddpm.validate(row, tc)  # a model that exists: the paper's P = 4 against P = 1 comparison can run
+
+
+def test_gpu_bench_dry_run_runs_every_command_on_the_cpu(tmp_path):
+    """scripts/gpu_bench.sh --dry-run: the GPU script's every command, with tiny settings on the CPU, so its plumbing
+    is tested although no GPU has run it. About a minute on 2 cores."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    out = tmp_path / "gpu"
+    proc = subprocess.run(["bash", "scripts/gpu_bench.sh", "--dry-run", str(out)], cwd=ROOT, capture_output=True,
+                          text=True, env={**os.environ, "PYTHON": sys.executable}, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    status = dict(line.split() for line in (out / "status.txt").read_text().splitlines())
+    assert status == {k: "0" for k in ("gpu_tests", "seed", "ho", "patch", "sample", "vs_diffusers")}
+    seed = json.loads((out / "seed.json").read_text())["rows"]
+    assert {r["version"] for r in seed if "skipped" not in r} >= {"baseline", "grad accumulation x4",
+                                                                  "activation checkpointing", "patch_size 2"}
+    assert [r["version"] for r in json.loads((out / "patch.json").read_text())["rows"] if "skipped" not in r] == [
+        "baseline", "patch_size 1"]
+    assert [r["patch_size"] for r in json.loads((out / "sample.json").read_text())["rows"]] == [1, 2]
+    vs = {r["config"]: r for r in json.loads((out / "vs_diffusers.json").read_text())["rows"]}
+    assert set(vs) == {"theirs bf16", "ours eager"} and vs["ours eager"]["vs_theirs_bf16"] > 0
+    assert "| ours eager | 2 |" in (out / "vs_diffusers.md").read_text()
+
+
+@pytest.mark.parametrize("flag", ["--rows", "--skip"])
+def test_an_unknown_row_name_is_one_line(capsys, flag):
+    from conftest import one_line_error
+
+    err = one_line_error(capsys, benchmark.main, ["--preset", "demo", "--device", "cpu", flag, "baseline,torch.compil"])
+    assert "torch.compil;" in err and "torch.compile" in err

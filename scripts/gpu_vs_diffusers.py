@@ -1,0 +1,125 @@
+"""Training-step speed on a GPU, side by side: ours against diffusers on the very same network (issue 16).
+
+    python scripts/gpu_vs_diffusers.py --json gpu_vs_diffusers.json      # one GPU, about 2 minutes
+    python scripts/gpu_vs_diffusers.py --device cpu --batch 2 --ours eager --warmup 1 --timed 2  # plumbing
+
+The two steps are scripts/cpu_vs_diffusers.py's, built on --device (its docstring has them in full): theirs
+is diffusers' train_unconditional.py step on UNet2DModel in google/ddpm-cifar10-32's configuration, in fp32
+and with bf16 autocast as accelerate runs it; ours is `python ddpm.py`'s defaults (ddpm.train_step and
+ddpm.ema_update), eager and torch.compile'd. Both are Ho et al.'s CIFAR-10 network, 35.7M parameters and
+the same counted FLOPs. Issue 16's target: ours compiled at >= 1.5x the img/s of theirs in bf16, same batch.
+
+Timing: --warmup untimed steps per configuration (compilation included), then --timed rounds that
+interleave the configurations, each step timed by ddpm.StepTimer (CUDA events on a GPU, read once at the
+end); the median step. Counted FLOPs per image are torch.utils.flop_counter's (count_theirs, count_ours);
+MFU is against the datasheet's dense bf16 peak (on a CPU, the measured bf16 matmul rate). Without diffusers
+it prints one line and exits 0 (scripts/gpu_bench.sh carries diffusers and importlib_metadata as wheels).
+"""
+import argparse
+import datetime
+import importlib
+import itertools
+import json
+import statistics
+
+import cpu_timing  # puts the repository root on sys.path
+from cpu_vs_ddpm_pytorch import count_ours
+from cpu_vs_diffusers import OUR_MODES, THEIR_MODES, build_ours, build_theirs, count_theirs, parse_list
+
+import torch
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda", help="cuda, cuda:N, or cpu (to test the plumbing)")
+    p.add_argument("--batch", default="128", help="batch sizes, comma-separated (Ho et al.'s is 128)")
+    p.add_argument("--dropout", type=float, default=0.1, help="dropout of both networks (Ho's: 0.1)")
+    p.add_argument("--ours", default="eager,compile", help=f"ours, comma-separated: {', '.join(OUR_MODES)}")
+    p.add_argument("--theirs", default="fp32,bf16", help=f"theirs: {', '.join(THEIR_MODES)}")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps per configuration (compiling too)")
+    p.add_argument("--timed", type=int, default=20, help="timed, interleaved rounds")
+    p.add_argument("--json", help="write every measurement to this file")
+    args = p.parse_args(argv)
+    batches = parse_list(args.batch, int, "--batch")
+    ours = parse_list(args.ours, str, "--ours", OUR_MODES)
+    theirs = parse_list(args.theirs, str, "--theirs", THEIR_MODES)
+    if args.warmup < 0 or args.timed < 1 or min(batches) < 1:
+        raise SystemExit("error: need --warmup >= 0, --timed >= 1 and batches >= 1")
+    try:
+        importlib.import_module("diffusers")
+    except ImportError as e:
+        print(f"skipped: diffusers is not importable ({e}); carry its wheel (scripts/gpu_bench.sh)")
+        return None
+    import ddpm
+
+    try:
+        device = ddpm.resolve_device(args.device)
+    except ddpm.ConfigError as e:
+        raise SystemExit(f"error: {e}") from None
+    gpu = device.type == "cuda"
+    name = torch.cuda.get_device_name(device) if gpu else ddpm.cpu_name()
+    env = {"date": str(datetime.date.today()), "device": name, "torch": torch.__version__,
+           "diffusers": cpu_timing.version("diffusers"), "git": cpu_timing.git_state()}
+    print(f"# {env['date']} · {name} · torch {env['torch']} · diffusers {env['diffusers']}", flush=True)
+    flops = {"theirs": count_theirs(), "ours": count_ours()[0]}
+    peak = ddpm.datasheet_peak(device, "bf16") if gpu else None
+    peak = peak or ddpm.measure_matmul_flops(device, torch.bfloat16)
+
+    steps, rows = {}, []
+    for batch, (family, mode) in itertools.product(batches, [("theirs", m) for m in theirs] +
+                                                   [("ours", m) for m in ours]):
+        key = (family, mode if family == "ours" else "")  # theirs: one model for both precisions
+        if key not in steps:
+            steps[key] = (build_theirs(args.dropout, device) if family == "theirs"
+                          else build_ours(args.dropout, mode, device))[0]
+        step = steps[key]
+        run = (lambda s=step, b=batch, bf16=mode == "bf16": s(b, bf16)) if family == "theirs" else (
+            lambda s=step, b=batch: s(b))
+        rows.append({"config": f"{family} {mode}", "family": family, "mode": mode, "batch": batch,
+                     "_run": run, "_timer": ddpm.StepTimer(device)})
+    for row in rows:  # warm-up, compilation included
+        for _ in range(args.warmup):
+            row["_run"]()
+        print(f"warmed up: {row['config']} b{row['batch']}", flush=True)
+    for _ in range(args.timed):  # interleaved: ABCD ABCD ...
+        for row in rows:
+            row["_timer"].start()
+            row["_run"]()
+            row["_timer"].stop()
+    for row in rows:
+        times = row.pop("_timer").read_ms()
+        row.pop("_run")
+        ms = statistics.median(times)
+        tflops = flops[row["family"]] * row["batch"] / ms / 1e9
+        row.update(step_ms=ms, step_ms_min=min(times), step_ms_max=max(times), tflops=tflops,
+                   img_per_s=row["batch"] / ms * 1e3, mfu_bf16=tflops * 1e12 / peak,
+                   flops_per_image=flops[row["family"]])
+    for row in rows:
+        for ref in theirs:
+            if row["family"] == "ours":
+                other = next(r for r in rows
+                             if (r["family"], r["mode"], r["batch"]) == ("theirs", ref, row["batch"]))
+                row[f"vs_theirs_{ref}"] = row["img_per_s"] / other["img_per_s"]
+
+    what = "datasheet" if gpu else "measured matmul"
+    print(f"\ncounted GFLOP per training image: theirs {flops['theirs'] / 1e9:.2f}, "
+          f"ours {flops['ours'] / 1e9:.2f}; MFU against {peak / 1e12:.3g} TFLOP/s bf16 ({what}); "
+          f"median of {args.timed} interleaved steps after {args.warmup} warm-up\n")
+    heads = [f"ours / theirs {m}" for m in theirs]
+    print("| config | batch | median ms/step (min-max) | img/s | TFLOP/s | MFU (bf16) | " + " | ".join(heads)
+          + " |")
+    print("|---|---|---|---|---|---|" + "---|" * len(heads))
+    for r in rows:
+        cells = [f"{r[f'vs_theirs_{m}']:.2f}x" if f"vs_theirs_{m}" in r else "" for m in theirs]
+        print(f"| {r['config']} | {r['batch']} | {r['step_ms']:.1f} "
+              f"({r['step_ms_min']:.1f}-{r['step_ms_max']:.1f}) | {r['img_per_s']:.1f} | {r['tflops']:.2f} | "
+              f"{100 * r['mfu_bf16']:.1f}% | " + " | ".join(cells) + " |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({**env, "dropout": args.dropout, "warmup": args.warmup, "timed": args.timed,
+                       "peak_bf16_tflops": peak / 1e12, "rows": rows}, f, indent=2)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
