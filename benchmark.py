@@ -30,7 +30,8 @@ device in the row's dtype.
 
 --sample: images/s, s/image, network evaluations per image and per second, counted GFLOP per image and peak
 memory of the preset's sampler (its steps, guidance and thresholding), the preset rebuilt at each Q, as
-sample.py reports them. Any other --field=value of the two configs changes the preset, as in ddpm.py.
+sample.py reports them. Any other --field=value of the two configs changes the preset, as in ddpm.py, except
+--patch_size and --device, which are benchmark.py's own (the rows' Q, and where to run).
 
 Measured (2026-12-02, seed, reduced ladder, medians of 3 runs): on 2 AVX512-BF16 CPU cores SDPA 2.51x and
 SDPA + bf16 3.05x the baseline's TFLOP/s; on 2 AVX2 cores SDPA 2.24x and SDPA + channels_last 2.45x. Every
@@ -363,7 +364,8 @@ def torchinfo_flops_per_image(mc):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description="The efficiency ladder with MFU. Any other --field=value of "
-                                            "ModelConfig or TrainerConfig changes the preset, as in ddpm.py.",
+                                            "ModelConfig or TrainerConfig changes the preset, as in ddpm.py "
+                                            "(--patch_size and --device are benchmark.py's own).",
                                 allow_abbrev=False)
     p.add_argument("--preset", default="seed", choices=list(ddpm.PRESETS))
     p.add_argument("--device", default="auto", help="'auto', 'cuda', 'cpu', ...")
