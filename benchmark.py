@@ -199,13 +199,14 @@ LADDER = [
 def build(mc, row, batch, device, images, labels, beton):
     """Model, diffusion, optimizer, EMA and loader for one row, exactly as ddpm.train sets them up."""
     torch.manual_seed(0)
-    tc = ddpm.TrainerConfig(batch_size=batch, compile=row["compile"], compile_mode=row["compile_mode"])
+    tc = ddpm.TrainerConfig(batch_size=batch, compile="true" if row["compile"] else "false",
+                            compile_mode=row["compile_mode"])
     fmt = ddpm.memory_format(row["channels_last"])
     model = UNet(mc, attention=row["attention"], activation_checkpointing=row["checkpointing"])
     model = model.to(device, memory_format=fmt)
     ema = UNet(mc, attention=row["attention"]).to(device, memory_format=fmt).requires_grad_(False)
     opt = ddpm.make_optimizer(model, tc, device)
-    forward = ddpm.compiled(model, tc)
+    forward = ddpm.compiled(model, tc, device)
     with_labels = mc.num_classes > 0
     if row["loader"] == "dataloader":
         loader = DataLoaderAdapter(images, labels, batch, device, with_labels)

@@ -103,7 +103,7 @@ class TrainerConfig:  # the run
     ema_warmup: bool = True                             # ramp the EMA decay as min(ema_decay, (1+step)/(10+step))
     hflip: bool = True                                  # random horizontal flips
     precision: Literal["auto", "bf16", "fp16", "tf32", "fp32"] = "auto"  # bf16 / fp16 (+ loss scaling) autocast, fp32 with TF32, true fp32; auto = bf16 where the hardware has it, fp16 on older GPUs
-    compile: bool = True                                # torch.compile the network
+    compile: Literal["auto", "true", "false"] = "auto"  # torch.compile the network; auto = on a GPU, not on a CPU (minutes to compile, slower there)
     compile_mode: Literal["default", "max-autotune", "reduce-overhead"] = "default"  # torch.compile mode; reduce-overhead = CUDA graphs
     channels_last: Literal["auto", "true", "false"] = "auto"  # NHWC activations and weights; auto = true, except bf16 on a CPU (NCHW is faster there)
     cpu_threads: int = 0                                # CPU: intra-op threads for the step; 0 = torch's default (one per core)
@@ -167,7 +167,7 @@ PRESETS = {
     "demo": dict(dataset="shapes", image_size=16, patch_size=2, base_channels=64, channel_mult=(1, 2),
                  num_res_blocks=1, attn_resolutions=(4,), dropout=0.0, num_classes=4, prediction="v",
                  schedule="cosine", batch_size=32, max_steps=900, lr=2e-3, warmup_steps=100, ema_decay=0.999,
-                 compile=False, log_every_steps=50, sample_every_steps=450, ckpt_every_steps=450,
+                 compile="false", log_every_steps=50, sample_every_steps=450, ckpt_every_steps=450,
                  sampler="ddim", sample_steps=50, guidance=2.0,
                  loader="torch"),  # in-memory shapes: no beton to write inside the 5-minute budget
 }
@@ -911,11 +911,19 @@ def memory_format(channels_last):
     return torch.channels_last if channels_last else torch.contiguous_format
 
 
-def compiled(model, tc):
-    """torch.compile in tc.compile_mode: 'max-autotune' searches kernel configurations (minutes more to
-    compile), 'reduce-overhead' replays the step's kernels as CUDA graphs. Inductor fuses each
-    GroupNorm with the SiLU after it. The UNet has no graph breaks (a test checks)."""
-    if not tc.compile:
+def resolve_compile(compile, device):
+    """'auto' -> compile on a GPU only. On a CPU, compiling the 'ho' step took 3.6 minutes on 2 AVX512-BF16
+    cores and the compiled step ran 0.89x eager's speed (and 0.96-0.98x in earlier runs; BENCHMARKS.md)."""
+    if compile != "auto":
+        return compile == "true"
+    return device.type == "cuda"
+
+
+def compiled(model, tc, device):
+    """torch.compile (where resolve_compile says so) in tc.compile_mode: 'max-autotune' searches kernel
+    configurations (minutes more to compile), 'reduce-overhead' replays the step's kernels as CUDA graphs.
+    Inductor fuses each GroupNorm with the SiLU after it. The UNet has no graph breaks (a test checks)."""
+    if not resolve_compile(tc.compile, device):
         return model
     return torch.compile(model, mode=None if tc.compile_mode == "default" else tc.compile_mode)
 
@@ -1411,9 +1419,9 @@ def train(mc, tc, preset="custom"):
         print("warning: this CPU has no AVX512-BF16/AMX; bf16 will run far slower than --precision=fp32")
     if lead and precision == "fp16" and device.type == "cpu":
         print("note: fp16 on a CPU runs for testing the loss-scaling path; it is not faster than fp32 there")
-    if lead and tc.compile and device.type == "cpu":
+    if lead and resolve_compile(tc.compile, device) and device.type == "cpu":
         print("note: torch.compile takes minutes on a CPU and measured no faster than eager there "
-              "(BENCHMARKS.md); --compile=false skips it")
+              "(BENCHMARKS.md); --compile=auto or false skips it")
     set_matmul_precision(precision)
     out_dir = tc.out_dir or os.path.join("runs", f"{preset}-{time.strftime('%Y%m%d-%H%M%S')}")
     ckpt_path = os.path.join(out_dir, "ckpt.pt")
@@ -1471,7 +1479,7 @@ def train(mc, tc, preset="custom"):
         from torch.nn.parallel import DistributedDataParallel
 
         net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    forward = compiled(net, tc)
+    forward = compiled(net, tc, device)
     evaluator = None
     if tc.eval_every_steps:  # built now: missing Inception weights or data fail before training, not hours in
         try:
@@ -1545,7 +1553,8 @@ def train(mc, tc, preset="custom"):
             info = {
                 "preset": preset, "model": asdict(mc), "trainer": asdict(tc),
                 "resolved": {"out_dir": out_dir, "device": str(device), "world_size": world,
-                             "precision": precision, "channels_last": channels_last, "parameters": n_params,
+                             "precision": precision, "channels_last": channels_last,
+                             "compile": resolve_compile(tc.compile, device), "parameters": n_params,
                              "train_flops_per_image": flops_per_step // tc.batch_size,
                              "peak_flops_per_device": peak, "peak_source": peak_source,
                              "dataset_images": loader.n, "loader": type(loader).__name__},

@@ -21,7 +21,7 @@ Configurations, all at 32x32, batches --batch, in one process, with torch.set_nu
   theirs bf16       the same with --mixed_precision=bf16: the images and the noise in bf16 (the example's
                     weight_dtype), the forward under torch.autocast('cpu', bfloat16) with its output in fp32 (what
                     accelerate wraps model.forward in), the loss outside it.
-  ours eager        `python ddpm.py`'s defaults with --compile=false: precision auto (bf16 autocast on a CPU with
+  ours eager        `python ddpm.py`'s defaults (compile auto: eager on a CPU): precision auto (bf16 autocast on a CPU with
                     AVX512-BF16/AMX, else fp32), channels_last auto (NCHW for bf16 on a CPU, else NHWC), SDPA, fused
                     AdamW (ddpm.make_optimizer), and per step what ddpm.train does: the LR into the param groups,
                     ddpm.train_step, ddpm.ema_update(ema, model, ddpm.ema_decay_at(step), ok).
@@ -148,7 +148,8 @@ def build_ours(dropout, mode, device=CPU):
 
     torch.manual_seed(0)
     mc = model_config(dropout)
-    tc = ddpm.TrainerConfig(compile=mode == "compile", precision="fp32" if mode == "fp32" else "auto")
+    tc = ddpm.TrainerConfig(compile="true" if mode == "compile" else "false",
+                            precision="fp32" if mode == "fp32" else "auto")
     precision = ddpm.resolve_precision(tc.precision, device)
     ddpm.set_matmul_precision(precision)
     channels_last = ddpm.resolve_channels_last(tc.channels_last, device, precision)
@@ -156,7 +157,7 @@ def build_ours(dropout, mode, device=CPU):
     ema = copy.deepcopy(model).requires_grad_(False).eval()
     diffusion = ddpm.Diffusion(mc).to(device)
     opt = ddpm.make_optimizer(model, tc, device)
-    forward = ddpm.compiled(model, tc)
+    forward = ddpm.compiled(model, tc, device)
     steps, data = itertools.count(), {}
 
     def step(batch):

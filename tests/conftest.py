@@ -31,7 +31,7 @@ def tiny_model(**kw):
 def tiny_trainer(out_dir, **kw):
     base = dict(dataset="shapes", shapes_count=512, loader="torch", beton_dir=str(out_dir) + "-betons",
                 fid_stats_dir=str(out_dir) + "-fid_stats", batch_size=16, max_steps=30, lr=2e-3, warmup_steps=5,
-                ema_decay=0.99, compile=False, precision="fp32", out_dir=str(out_dir), log_every_steps=5,
+                ema_decay=0.99, compile="false", precision="fp32", out_dir=str(out_dir), log_every_steps=5,
                 sample_every_steps=0, ckpt_every_steps=0, num_samples=4, sampler="ddim", sample_steps=5)
     return TrainerConfig(**{**base, **kw})
 

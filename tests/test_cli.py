@@ -18,7 +18,7 @@ def test_overrides_and_presets():
     mc, tc, preset = parse_args(["--preset", "demo", "--lr=3e-4", "--channel_mult=1,2", "--attn_resolutions=", "--compile",
                                  "--prediction", "v", "--hflip=false"])
     assert preset == "demo" and mc.image_size == 16 and tc.dataset == "shapes"
-    assert tc.lr == 3e-4 and mc.channel_mult == (1, 2) and mc.attn_resolutions == () and tc.compile is True
+    assert tc.lr == 3e-4 and mc.channel_mult == (1, 2) and mc.attn_resolutions == () and tc.compile == "true"
     assert mc.prediction == "v" and tc.hflip is False
     mc, tc, _ = parse_args(["--preset=seed"])
     assert (mc.base_channels, mc.channel_mult, mc.attn_heads, mc.attn_head_dim, tc.batch_size) == (32, (1, 2, 4, 8), 4, 32, 3072)

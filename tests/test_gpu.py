@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 def test_bf16_compiled_training_on_the_gpu(tmp_path):
     out = tmp_path / "run"
-    train(tiny_model(num_classes=4), tiny_trainer(out, device="cuda", precision="bf16", compile=True, max_steps=20),
+    train(tiny_model(num_classes=4), tiny_trainer(out, device="cuda", precision="bf16", compile="true", max_steps=20),
           preset="test")
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert rows[-1]["loss"] < rows[0]["loss"] and rows[-1]["img_per_s"] > 0
