@@ -57,7 +57,7 @@ def main(argv=None):
                    help="classifier-free guidance weight w; 1 = none; default: the run's guidance")
     p.add_argument("--threshold", choices=["static", "dynamic", "none"],
                    help="x0 clipping: static [-1, 1], dynamic (Saharia et al. 2022), or none; default: the "
-                        "run's threshold")
+                        "run's threshold (static for --eval bpd)")
     p.add_argument("--percentile", type=float, default=0.995, help="dynamic thresholding percentile")
     p.add_argument("--label", type=int, default=-1, help="class to sample; -1 = cycle through all classes")
     p.add_argument("--batch", type=int, default=256, help="images per network call (memory)")
@@ -94,6 +94,8 @@ def main(argv=None):
         elif ddpm.split_timestep(mc):
             raise ddpm.ConfigError(f"{args.ckpt} is one expert of a split model: give the other with "
                                    "--ckpt_high")
+        if args.eval == "bpd" and args.threshold is None:
+            args.threshold = "static"  # the bound as the literature computes it, whatever the run samples with
         for name, field in (("sampler", "sampler"), ("steps", "sample_steps"), ("guidance", "guidance"),
                             ("threshold", "threshold")):
             if getattr(args, name) is None:
