@@ -472,7 +472,8 @@ def main(argv=None):
                            "date": str(datetime.date.today()), "iters": iters, "warmup": warmup,
                            "rows": rows}, f, indent=2)
 
-    rows, cfg, scaled_batch, scaled_by, interrupted, name = [], {}, None, None, False, None
+    # a skipped baseline still gives every later row its starting point
+    rows, cfg, scaled_batch, scaled_by, interrupted, name = [], dict(LADDER[0][1]), None, None, False, None
     try:  # a ladder cut short (Ctrl-C, or `timeout -s INT`) still prints the rows it measured
         for name, change in LADDER:
             alone = change.get("alone", False)

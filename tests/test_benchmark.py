@@ -199,3 +199,13 @@ def test_an_unknown_row_name_is_one_line(capsys, flag):
 
     err = one_line_error(capsys, benchmark.main, ["--preset", "demo", "--device", "cpu", flag, "baseline,torch.compil"])
     assert "torch.compil;" in err and "torch.compile" in err
+
+
+def test_rows_without_the_baseline_start_from_it(monkeypatch, tmp_path):
+    monkeypatch.setattr(benchmark, "time_steps", lambda *a, **kw: (10.0, None))
+    out = tmp_path / "rows.json"
+    benchmark.main(["--preset", "demo", "--device", "cpu", "--rows", "PyTorch SDPA", "--json", str(out)])
+    ran = [r for r in json.load(open(out))["rows"] if "skipped" not in r]
+    assert len(ran) == 1 and ran[0]["version"] == "PyTorch SDPA"
+    assert (ran[0]["attention"], ran[0]["precision"], ran[0]["loader"], ran[0]["accum_steps"]) == (
+        "sdpa", "fp32", "dataloader", 1)
