@@ -30,8 +30,9 @@ device in the row's dtype.
 
 --sample: images/s, s/image, network evaluations per image and per second, counted GFLOP per image and peak
 memory of the preset's sampler (its steps, guidance and thresholding), the preset rebuilt at each Q, as
-sample.py reports them. Any other --field=value of the two configs changes the preset, as in ddpm.py, except
---patch_size and --device, which are benchmark.py's own (the rows' Q, and where to run).
+sample.py reports them. Any ModelConfig field as --field=value changes the preset's network, as in ddpm.py
+(--patch_size is benchmark.py's own: the rows' Q); with --sample, so do --sampler=, --guidance= and
+--threshold=. The rest of TrainerConfig is what the rows set, and is refused.
 
 Measured (2026-12-02, seed, reduced ladder, medians of 3 runs): on 2 AVX512-BF16 CPU cores SDPA 2.51x and
 SDPA + bf16 3.05x the baseline's TFLOP/s; on 2 AVX2 cores SDPA 2.24x and SDPA + channels_last 2.45x. Every
@@ -192,7 +193,7 @@ LADDER = [
     ("checkpointing at the largest batch", dict(checkpointing=True, batch="max", alone=True)),
     ("patch_size P", dict(patch_size="P")),  # P = --patch_size; same width and batch as the row above
     # the paper's memory claim: against the largest batch at the preset's own P (the rows above it)
-    ("patch_size P at the largest batch", dict(batch="max", alone=True)),
+    ("patch_size P at the largest batch", dict(patch_size="P", batch="max", alone=True)),
 ]
 
 
@@ -210,6 +211,8 @@ def build(mc, row, batch, device, images, labels, beton):
     with_labels = mc.num_classes > 0
     if row["loader"] == "dataloader":
         loader = DataLoaderAdapter(images, labels, batch, device, with_labels)
+    elif row["loader"] == "host":  # batches gathered from the uint8 images in host memory (the batch search)
+        loader = data.Loader(images, labels, batch, 0, device, with_labels=with_labels)
     elif row["loader"] == "resident":
         loader = data.ResidentLoader(images, labels, batch, 0, device, with_labels=with_labels)
     else:
@@ -257,8 +260,11 @@ def free_memory(device):
 def largest_batch(mc, row, device, images, labels, start, limit):
     """The largest power-of-two batch (from `start`, at most `limit`) whose eager step fits in memory."""
     best, batch = None, start
-    eager = {**row, "compile": False, "loader": "dataloader"}  # memory is the model's; any loader will do
+    # memory is the model's: batches gathered from host memory, which hold no device memory of their own
+    eager = {**row, "compile": False, "loader": "host"}
     while batch <= limit:
+        if len(images) < 2 * batch:  # a warm-up and a timed step, each a full batch
+            images, labels, _ = data.shapes(2 * batch, mc.image_size)
         try:
             time_steps(mc, eager, batch, device, images, labels, None, warmup=1, iters=1)
             best, batch = batch, batch * 2
@@ -269,6 +275,9 @@ def largest_batch(mc, row, device, images, labels, start, limit):
     if best is None:
         raise RuntimeError(f"even batch {start} does not fit in memory")
     return best
+
+
+SAMPLING_FIELDS = {"sampler", "guidance", "threshold"}  # TrainerConfig fields --sample takes (and --sample_steps)
 
 
 def sampling_table(mc, tc, device, patch_sizes, batch, steps):
@@ -282,7 +291,7 @@ def sampling_table(mc, tc, device, patch_sizes, batch, steps):
     import sample
 
     precision = ddpm.resolve_precision("auto", device)
-    rows = []
+    rows, interrupted = [], False
     for q in patch_sizes:
         mcq = repatched(mc, q)
         try:
@@ -320,6 +329,10 @@ def sampling_table(mc, tc, device, patch_sizes, batch, steps):
             rows.append({"patch_size": q, "skipped": reason})
             free_memory(device)
             continue
+        except KeyboardInterrupt:  # Ctrl-C, or gpu_bench.sh's cap: the table of the sizes measured so far
+            interrupted = True
+            print(f"\ninterrupted at P = {q}: the table has the patch sizes before it")
+            break
         free_memory(device)
         if device.type != "cuda":  # the process's max RSS spans every row before this one: not per row
             speed.update(peak_memory_bytes=None, peak_memory="n/a on the CPU")
@@ -343,7 +356,7 @@ def sampling_table(mc, tc, device, patch_sizes, batch, steps):
         print(f"| {r['patch_size']} | {r['batch']} | {r['steps']} | {r['img_per_s']:.3g} | "
               f"{r['s_per_img']:.3g} | {r['nfe_per_image']:.0f} | {r['nfe_per_s']:.3g} | "
               f"{r['gflop_per_image']:,.1f} | {r['speedup']:.2f}x | {r['flops_ratio']:.2f}x | {mem} |")
-    return rows
+    return rows, interrupted
 
 
 @torch.random.fork_rng(devices=[])  # building a model must not move the training RNG (exact resume)
@@ -364,9 +377,10 @@ def torchinfo_flops_per_image(mc):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="The efficiency ladder with MFU. Any other --field=value of "
-                                            "ModelConfig or TrainerConfig changes the preset, as in ddpm.py "
-                                            "(--patch_size and --device are benchmark.py's own).",
+    p = argparse.ArgumentParser(description="The efficiency ladder with MFU. Any ModelConfig --field=value "
+                                            "changes the preset's network, as in ddpm.py (--patch_size is "
+                                            "benchmark.py's own); with --sample also --sampler=, --guidance=, "
+                                            "--threshold=.",
                                 allow_abbrev=False)
     p.add_argument("--preset", default="seed", choices=list(ddpm.PRESETS))
     p.add_argument("--device", default="auto", help="'auto', 'cuda', 'cpu', ...")
@@ -419,9 +433,16 @@ def main(argv=None):
             if not os.path.isdir(folder) or not os.access(folder, os.W_OK) or os.path.isdir(args.json):
                 raise ddpm.ConfigError(f"--json {args.json}: cannot write there (does its folder exist?)")
         device = ddpm.resolve_device(args.device)
+        # the rows set how the step runs; what the preset may change is the network and, for --sample, how
+        # it samples
+        allowed = set(ddpm.ModelConfig.__dataclass_fields__) | (SAMPLING_FIELDS if args.sample else set())
         for o in overrides:
+            field = o[2:].partition("=")[0]
             if not o.startswith("--") or "=" not in o:
                 raise ddpm.ConfigError(f"unrecognised argument {o}: preset fields are given as --field=value")
+            if field in ddpm.TrainerConfig.__dataclass_fields__ and field not in allowed:
+                raise ddpm.ConfigError(f"--{field}: here only ModelConfig fields change the preset (with --sample "
+                                       f"also {', '.join(sorted(SAMPLING_FIELDS))}); the rows set the rest")
         mc, tc, _ = ddpm.parse_args(["--preset", args.preset, *overrides])
         patch_sizes = [q.strip() for q in args.patch_sizes.split(",")]
         if not all(q.isdigit() and int(q) >= 1 for q in patch_sizes):
@@ -441,12 +462,14 @@ def main(argv=None):
               f"torch {torch.__version__}, {datetime.date.today()}\n")
         steps = tc.sample_steps if args.sample_steps < 0 else args.sample_steps
         batch = args.sample_batch or (64 if gpu else 2)
-        rows = sampling_table(mc, tc, device, [int(q) for q in patch_sizes], batch, steps)
+        rows, interrupted = sampling_table(mc, tc, device, [int(q) for q in patch_sizes], batch, steps)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"preset": args.preset, "overrides": overrides, "device": device_name,
-                           "torch": torch.__version__, "date": str(datetime.date.today()), "rows": rows}, f,
-                          indent=2)
+                           "torch": torch.__version__, "date": str(datetime.date.today()),
+                           "interrupted": interrupted, "rows": rows}, f, indent=2)
+        if interrupted:
+            sys.exit(130)
         return rows
     base_batch = args.base_batch or (128 if gpu else 4)
     iters, warmup = args.iters or (50 if gpu else 3), args.warmup or (10 if gpu else 1)
@@ -520,8 +543,6 @@ def main(argv=None):
                     search = lambda: largest_batch(mc_row, trial, device, images, labels,  # noqa: E731
                                                    base_batch, args.max_batch)
                     batch = search() if alone else args.batch or (search() if gpu else 2 * base_batch)
-                    if not alone:
-                        scaled_batch, scaled_by = batch, name
                 else:
                     batch = scaled_batch or base_batch  # (the scaling row may have been skipped)
                 if len(images) < batch * (warmup + iters):
@@ -539,8 +560,10 @@ def main(argv=None):
                 free_memory(device)  # a failed row adds nothing, as a skipped one
                 continue
             free_memory(device)
-            if not alone:
+            if not alone:  # the row's change, and a batch it searched, carry on to the rows below
                 cfg = trial
+                if change.get("batch") == "max":
+                    scaled_batch, scaled_by = batch, name
             flops = ddpm.train_flops_per_image(mc_row) * batch
             info = torchinfo_flops_per_image(mc_row)
             dtype = ddpm.AUTOCAST_DTYPES.get(trial["precision"], torch.float32)
@@ -585,7 +608,7 @@ def main(argv=None):
     if fits and scaled_by:  # the memory checkpointing and patching save, as the batch they let fit
         print(f"\nLargest batch that fits (powers of two, eager step): {scaled_batch} at P = {mc.patch_size} "
               f"(row '{scaled_by}')" + "".join(f"; {r['batch']} with '{r['version']}' "
-                                              f"({r['batch'] / scaled_batch:.0f}x)" for r in fits))
+                                              f"({r['batch'] / scaled_batch:.3g}x)" for r in fits))
     if interrupted:
         sys.exit(130)  # an incomplete ladder is not a success
     return rows

@@ -1411,6 +1411,7 @@ def train(mc, tc, preset="custom"):
     LR -> samples/checkpoint/eval -> forward/backward/step -> EMA -> timing/log -> stop requests.
     Under torchrun every rank runs this; rank 0 alone writes the run folder."""
     # ---- setup
+    validate(mc, tc)  # as parse_args does, for configs built in Python
     rank, world, device = distributed_setup(tc)
     lead = rank == 0  # rank 0 writes the run folder and prints
     say = print if lead else (lambda *args, **kwargs: None)

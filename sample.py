@@ -51,7 +51,9 @@ def main(argv=None):
     # --sampler, --steps, --guidance and --threshold default to what the run's config says for its grids
     # (the preset's sampling settings; TrainerConfig's defaults for a diffusers folder)
     p.add_argument("--sampler", choices=["ddpm", "ddim", "dpm++"], help="default: the run's sampler")
-    p.add_argument("--steps", type=int, help="sampler steps; 0 = all T; default: the run's sample_steps")
+    p.add_argument("--steps", type=int,
+                   help="sampler steps; 0 = all T; default: the run's sample_steps (with another sampler: "
+                        "all T; dpm++: the run's eval_sample_steps)")
     p.add_argument("--eta", type=float, default=0.0, help="DDIM noise; 0 = deterministic")
     p.add_argument("--guidance", type=float,
                    help="classifier-free guidance weight w; 1 = none; default: the run's guidance")
@@ -95,11 +97,16 @@ def main(argv=None):
             raise ddpm.ConfigError(f"{args.ckpt} is one expert of a split model: give the other with "
                                    "--ckpt_high")
         if args.eval == "bpd" and args.threshold is None:
-            args.threshold = "static"  # the bound as the literature computes it, whatever the run samples with
+            args.threshold = "static"  # the bound as the literature has it, whatever the run samples with
+        default = lambda field: run.get(field, getattr(ddpm.TrainerConfig, field))  # noqa: E731
+        if args.steps is None and args.sampler not in (None, default("sampler")):
+            # another sampler than the run's, so not the run's grid steps: DPM-Solver++ takes the run's
+            # FID-sampling steps (eval_sample_steps), the others all T
+            args.steps = default("eval_sample_steps") if args.sampler == "dpm++" else 0
         for name, field in (("sampler", "sampler"), ("steps", "sample_steps"), ("guidance", "guidance"),
                             ("threshold", "threshold")):
             if getattr(args, name) is None:
-                setattr(args, name, run.get(field, getattr(ddpm.TrainerConfig, field)))
+                setattr(args, name, default(field))
         if not (0 <= args.steps <= mc.timesteps) or args.n < 1 or args.batch < 1:
             raise ddpm.ConfigError(f"need n >= 1, batch >= 1 and 0 <= steps <= {mc.timesteps}")
         for name, ok in (("guidance", 0 <= args.guidance < math.inf), ("eta", 0 <= args.eta <= 1),

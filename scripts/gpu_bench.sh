@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# On one GPU (H100/H200 class), in about 8 minutes at most, everything under OUT_DIR:
+# On one GPU (H100/H200 class), in 7 to 9 minutes, everything under OUT_DIR:
 #   env.txt           nvidia-smi, torch, git HEAD
 #   gpu_tests.md      the GPU-only tests (tests/test_gpu.py)
-#   seed.*, ho.*      the efficiency ladder (benchmark.py) for 'seed' and 'ho', with the fp16, accumulation and
+#   seed.*            the efficiency ladder (benchmark.py) for 'seed', every row
+#   ho.*              'ho' (Ho et al.'s network), its eager rows: SDPA, bf16, and the fp16, accumulation and
 #                     activation-checkpointing rows
 #   patch.*           the paper's memory claim: lsun-p4 at its own P = 4 against P = 1, largest batches
 #   sample.*          sampling speed across P = 1, 2, 4, 8 (benchmark.py --sample, lsun-p4)
 #   vs_diffusers.*    our training step against diffusers' on the same network (scripts/gpu_vs_diffusers.py)
 # Each .md is a command's output, each .json its rows, status.txt the exit statuses. Each command has a time
-# cap (the *_S variables, in seconds; at its cap a command gets SIGINT, and a ladder then prints the rows it
-# measured); the caps add up to 480 s.
+# cap (the *_S variables, in seconds; at its cap a command gets SIGINT and then prints and saves what it
+# measured, and 20 s later SIGKILL): the caps add up to 420 s, 540 s at the very most. Needs bash >= 4.4.
 # Never yet run on a GPU: how far each ladder gets within its cap is unmeasured.
 # What it cannot have, it skips: without ffcv the FFCV row, without torchinfo its column, without diffusers the
 # comparison. Missing pure-Python packages travel as wheels in .whl/ (git-ignored; carry it), fetched here with
@@ -42,7 +43,8 @@ if [ $dry = 1 ]; then  # tiny models and a step or two per row, on the CPU
 else
   on=()
   seed=(--preset seed --max_batch 1024 --warmup 5 --iters 20)
-  ho=(--preset ho --max_batch 512 --warmup 5 --iters 20)
+  ho=(--preset ho --max_batch 512 --warmup 5 --iters 20 --rows "baseline,PyTorch SDPA,bf16 autocast,$(
+      )fp16 autocast,grad accumulation x4,activation checkpointing,checkpointing at the largest batch")
   # the rows of the memory claim: the largest batch at P = 4 (bf16 autocast) against P = 1, and with
   # checkpointing; a 256x256 image at P = 1 needs small batches, so the searches start at 8
   patch=(--preset lsun-p4 --patch_size 1 --base_batch 8 --max_batch 2048 --warmup 2 --iters 5
@@ -61,15 +63,15 @@ run() {  # NAME CAP COMMAND...: its output in NAME.md, its exit status in status
   echo "$name ${PIPESTATUS[0]}" >> "$out/status.txt"
 }
 if $py -c "import pytest" 2>/dev/null; then
-  run gpu_tests "${TESTS_S:-75}" $py -m pytest -q -p no:cacheprovider tests/test_gpu.py
+  run gpu_tests "${TESTS_S:-60}" $py -m pytest -q -p no:cacheprovider tests/test_gpu.py
 else
   echo "pytest is not installed: GPU tests skipped" | tee "$out/gpu_tests.md"
 fi
-run seed "${SEED_S:-100}" $py benchmark.py "${on[@]}" "${seed[@]}" --json "$out/seed.json"
-run ho "${HO_S:-75}" $py benchmark.py "${on[@]}" "${ho[@]}" --json "$out/ho.json"
-run patch "${PATCH_S:-90}" $py benchmark.py "${on[@]}" "${patch[@]}" --json "$out/patch.json"
-run sample "${SAMPLE_S:-40}" $py benchmark.py "${on[@]}" --sample "${samp[@]}" --json "$out/sample.json"
-run vs_diffusers "${VS_S:-100}" $py scripts/gpu_vs_diffusers.py "${vs[@]}" --json "$out/vs_diffusers.json"
+run seed "${SEED_S:-120}" $py benchmark.py "${on[@]}" "${seed[@]}" --json "$out/seed.json"
+run ho "${HO_S:-60}" $py benchmark.py "${on[@]}" "${ho[@]}" --json "$out/ho.json"
+run patch "${PATCH_S:-60}" $py benchmark.py "${on[@]}" "${patch[@]}" --json "$out/patch.json"
+run sample "${SAMPLE_S:-30}" $py benchmark.py "${on[@]}" --sample "${samp[@]}" --json "$out/sample.json"
+run vs_diffusers "${VS_S:-90}" $py scripts/gpu_vs_diffusers.py "${vs[@]}" --json "$out/vs_diffusers.json"
 cat "$out/status.txt"
 # a dry run fails if any command did (on the GPU a capped ladder is expected and keeps its rows)
 if [ $dry = 1 ] && grep -qv ' 0$' "$out/status.txt"; then exit 1; fi

@@ -21,6 +21,7 @@ import importlib
 import itertools
 import json
 import statistics
+import sys
 
 import cpu_timing  # puts the repository root on sys.path
 from cpu_vs_ddpm_pytorch import count_ours
@@ -57,6 +58,8 @@ def main(argv=None):
     except ddpm.ConfigError as e:
         raise SystemExit(f"error: {e}") from None
     gpu = device.type == "cuda"
+    if gpu:
+        torch.cuda.set_device(device)  # StepTimer's events and syncs use the current device
     name = torch.cuda.get_device_name(device) if gpu else ddpm.cpu_name()
     env = {"date": str(datetime.date.today()), "device": name, "torch": torch.__version__,
            "diffusers": cpu_timing.version("diffusers"), "git": cpu_timing.git_state()}
@@ -73,22 +76,39 @@ def main(argv=None):
             steps[key] = (build_theirs(args.dropout, device) if family == "theirs"
                           else build_ours(args.dropout, mode, device))[0]
         step = steps[key]
-        run = (lambda s=step, b=batch, bf16=mode == "bf16": s(b, bf16)) if family == "theirs" else (
-            lambda s=step, b=batch: s(b))
+        # each side with its own TF32 settings: theirs torch's defaults (as their example runs), ours
+        # ddpm.set_matmul_precision's for its precision
+        if family == "theirs":
+            def run(s=step, b=batch, bf16=mode == "bf16"):
+                torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = False, True
+                s(b, bf16)
+        else:
+            def run(s=step, b=batch, p="fp32" if mode == "fp32" else ddpm.resolve_precision("auto", device)):
+                ddpm.set_matmul_precision(p)
+                s(b)
         rows.append({"config": f"{family} {mode}", "family": family, "mode": mode, "batch": batch,
                      "_run": run, "_timer": ddpm.StepTimer(device)})
-    for row in rows:  # warm-up, compilation included
-        for _ in range(args.warmup):
-            row["_run"]()
-        print(f"warmed up: {row['config']} b{row['batch']}", flush=True)
-    for _ in range(args.timed):  # interleaved: ABCD ABCD ...
-        for row in rows:
-            row["_timer"].start()
-            row["_run"]()
-            row["_timer"].stop()
+    interrupted = False
+    try:  # cut short (Ctrl-C, or gpu_bench.sh's cap), the table still has what was measured
+        for row in rows:  # warm-up, compilation included
+            for _ in range(args.warmup):
+                row["_run"]()
+            print(f"warmed up: {row['config']} b{row['batch']}", flush=True)
+        for _ in range(args.timed):  # interleaved: ABCD ABCD ...
+            for row in rows:
+                row["_timer"].start()
+                row["_run"]()
+                row["_timer"].stop()
+    except KeyboardInterrupt:
+        interrupted = True
+        print("\ninterrupted: the configurations with timed steps so far follow")
     for row in rows:
-        times = row.pop("_timer").read_ms()
+        row["_times"] = row.pop("_timer").read_ms()
         row.pop("_run")
+    rows = [r for r in rows if r["_times"]]
+    for row in rows:
+        times = row.pop("_times")
+        row["timed_steps"] = len(times)
         ms = statistics.median(times)
         tflops = flops[row["family"]] * row["batch"] / ms / 1e9
         row.update(step_ms=ms, step_ms_min=min(times), step_ms_max=max(times), tflops=tflops,
@@ -96,15 +116,14 @@ def main(argv=None):
                    flops_per_image=flops[row["family"]])
     for row in rows:
         for ref in theirs:
-            if row["family"] == "ours":
-                other = next(r for r in rows
-                             if (r["family"], r["mode"], r["batch"]) == ("theirs", ref, row["batch"]))
-                row[f"vs_theirs_{ref}"] = row["img_per_s"] / other["img_per_s"]
+            other = [r for r in rows if (r["family"], r["mode"], r["batch"]) == ("theirs", ref, row["batch"])]
+            if row["family"] == "ours" and other:
+                row[f"vs_theirs_{ref}"] = row["img_per_s"] / other[0]["img_per_s"]
 
     what = "datasheet" if gpu else "measured matmul"
     print(f"\ncounted GFLOP per training image: theirs {flops['theirs'] / 1e9:.2f}, "
           f"ours {flops['ours'] / 1e9:.2f}; MFU against {peak / 1e12:.3g} TFLOP/s bf16 ({what}); "
-          f"median of {args.timed} interleaved steps after {args.warmup} warm-up\n")
+          f"median of up to {args.timed} interleaved steps after {args.warmup} warm-up\n")
     heads = [f"ours / theirs {m}" for m in theirs]
     print("| config | batch | median ms/step (min-max) | img/s | TFLOP/s | MFU (bf16) | " + " | ".join(heads)
           + " |")
@@ -117,7 +136,10 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w") as f:
             json.dump({**env, "dropout": args.dropout, "warmup": args.warmup, "timed": args.timed,
-                       "peak_bf16_tflops": peak / 1e12, "rows": rows}, f, indent=2)
+                       "interrupted": interrupted, "peak_bf16_tflops": peak / 1e12, "rows": rows}, f,
+                      indent=2)
+    if interrupted:
+        sys.exit(130)
     return rows
 
 

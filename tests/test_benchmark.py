@@ -103,7 +103,8 @@ def test_sampling_table_across_patch_sizes(tmp_path, capsys):
 
 @pytest.mark.parametrize("args,needle", [(["--patch_sizes", "1,x"], "--patch_sizes"),
                                          (["--sample_steps", "5000"], "sample_steps"),
-                                         (["--base_channels=0"], "base_channels"), (["stray"], "stray")])
+                                         (["--base_channels=0"], "base_channels"), (["stray"], "stray"),
+                                         (["--precision=fp16"], "only ModelConfig fields")])
 def test_bad_sampling_arguments_are_one_line(capsys, args, needle):
     from conftest import one_line_error
 
@@ -121,9 +122,11 @@ def test_batch_search_doubles_until_the_first_out_of_memory(monkeypatch):
 
     monkeypatch.setattr(benchmark, "time_steps", fake_time_steps)
     row = {"compile": True, "loader": "ffcv", "precision": "bf16", "attention": "sdpa"}
-    assert benchmark.largest_batch(None, row, torch.device("cpu"), None, None, 128, 16384) == 512
+    images, labels = torch.zeros(256, 3, 16, 16, dtype=torch.uint8), torch.zeros(256, dtype=torch.long)
+    assert benchmark.largest_batch(tiny_model(), row, torch.device("cpu"), images, labels, 128, 16384) == 512
     assert [b for b, _, _ in tried] == [128, 256, 512, 1024]
-    assert all(not compiled and loader == "dataloader" for _, compiled, loader in tried)  # eager, plain data
+    # eager, batches from host memory (more images are drawn when a batch outgrows them)
+    assert all(not compiled and loader == "host" for _, compiled, loader in tried)
 
 
 def test_a_ladder_cut_short_keeps_and_prints_its_rows(tmp_path, monkeypatch, capsys):
@@ -155,7 +158,8 @@ def test_batch_search_says_when_not_even_the_first_batch_fits(monkeypatch):
 
     monkeypatch.setattr(benchmark, "time_steps", oom)
     with pytest.raises(RuntimeError, match="even batch 128 does not fit"):  # the ladder's row records it as skipped
-        benchmark.largest_batch(None, {}, torch.device("cpu"), None, None, 128, 16384)
+        benchmark.largest_batch(tiny_model(), {}, torch.device("cpu"), torch.zeros(512, 3, 16, 16, dtype=torch.uint8),
+                                torch.zeros(512, dtype=torch.long), 128, 16384)
 
 
 @pytest.mark.parametrize("preset,q,attn", [("ffhq-p4", 1, (64, 32)), ("ffhq-p4", 8, (8, 4)), ("lsun-p2", 4, (8, 4)),

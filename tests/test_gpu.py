@@ -80,7 +80,7 @@ def test_the_training_step_never_syncs_with_the_host(loader_cls):
 @pytest.mark.parametrize("mode", ["reduce-overhead"])
 def test_cuda_graph_training(tmp_path, mode):
     out = tmp_path / "run"
-    train(tiny_model(), tiny_trainer(out, device="cuda", precision="bf16", compile=True, compile_mode=mode,
+    train(tiny_model(), tiny_trainer(out, device="cuda", precision="bf16", compile="true", compile_mode=mode,
                                      loader="resident", max_steps=12), preset="test")
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert rows[-1]["loss"] < rows[0]["loss"]

@@ -90,3 +90,13 @@ def test_sampling_defaults_are_the_runs(run_dir, tmp_path):
     assert np.array_equal(a, b)
     static = sample.main([*common, "--threshold", "static", "--steps", "1", "--out", str(tmp_path / "c.png")])
     assert (static["threshold"], static["steps"], static["sampler"]) == ("static", 1, "ddim")
+
+
+def test_another_sampler_than_the_runs_does_not_take_its_grid_steps(run_dir, tmp_path):
+    """The run samples its grids with DDIM (5 steps); --sampler dpm++ alone takes the run's eval_sample_steps,
+    --sampler ddpm alone all T."""
+    common = ["--ckpt", str(run_dir / "ema.pt"), "--n", "2", "--batch", "2", "--guidance", "1"]
+    dpm = sample.main([*common, "--sampler", "dpm++", "--out", str(tmp_path / "a.png")])
+    assert dpm["steps"] == 20  # TrainerConfig.eval_sample_steps, as the run recorded it
+    ddpm_ = sample.main([*common, "--sampler", "ddpm", "--out", str(tmp_path / "b.png")])
+    assert ddpm_["steps"] == 100 and ddpm_["nfe_per_image"] == 100  # all T of the tiny model
