@@ -26,7 +26,7 @@ mkdir -p "$out" && out=$(cd "$out" && pwd)
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
-if ls .whl/*.whl >/dev/null 2>&1; then
+if [ $dry = 0 ] && ls .whl/*.whl >/dev/null 2>&1; then  # (a dry run uses the environment it is given)
   $py -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
