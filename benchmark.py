@@ -277,7 +277,7 @@ def largest_batch(mc, row, device, images, labels, start, limit):
     return best
 
 
-SAMPLING_FIELDS = {"sampler", "guidance", "threshold"}  # TrainerConfig fields --sample takes (and --sample_steps)
+SAMPLING_FIELDS = {"sampler", "guidance", "threshold"}  # TrainerConfig fields --sample takes as --field=value
 
 
 def sampling_table(mc, tc, device, patch_sizes, batch, steps):
@@ -303,12 +303,7 @@ def sampling_table(mc, tc, device, patch_sizes, batch, steps):
         torch.manual_seed(0)
         net = ddpm.autocast_model(UNet(mcq).to(device).eval().requires_grad_(False), device, precision)
         diffusion = ddpm.Diffusion(mcq).to(device)
-        evaluated = [0]  # images through the network, a guided step counting twice
-
-        def counted(z, t, y=None):
-            evaluated[0] += len(z)
-            return net(z, t, y)
-
+        counted, evaluated = sample.counting(net)
         y = (torch.arange(batch) % mcq.num_classes).to(device) if mcq.num_classes else None
         shape = (batch, mcq.channels, mcq.image_size, mcq.image_size)
         kw = dict(sampler=tc.sampler, y=y, guidance=tc.guidance, threshold=tc.threshold)
@@ -379,8 +374,8 @@ def torchinfo_flops_per_image(mc):
 def main(argv=None):
     p = argparse.ArgumentParser(description="The efficiency ladder with MFU. Any ModelConfig --field=value "
                                             "changes the preset's network, as in ddpm.py (--patch_size is "
-                                            "benchmark.py's own); with --sample also --sampler=, --guidance=, "
-                                            "--threshold=.",
+                                            "benchmark.py's own); with --sample also --sampler=, "
+                                            "--guidance=, --threshold=.",
                                 allow_abbrev=False)
     p.add_argument("--preset", default="seed", choices=list(ddpm.PRESETS))
     p.add_argument("--device", default="auto", help="'auto', 'cuda', 'cpu', ...")
@@ -393,7 +388,7 @@ def main(argv=None):
                    help="untimed iterations per row (compilation included); 0 = 10 on a GPU, 1 on the CPU")
     p.add_argument("--max_batch", type=int, default=16384, help="upper limit of the batch search")
     p.add_argument("--skip", default="", help="comma-separated row names to skip, e.g. 'torch.compile'")
-    p.add_argument("--rows", default="", help="comma-separated row names to run, the others skipped; '' = all")
+    p.add_argument("--rows", default="", help="comma-separated row names to run, the rest skipped; '' = all")
     p.add_argument("--patch_size", type=int, default=2,
                    help="P of the last row, compared with P = 1 at the same width and batch")
     p.add_argument("--cpu_compile", action="store_true", help="also run the torch.compile row on the CPU")
@@ -441,8 +436,9 @@ def main(argv=None):
             if not o.startswith("--") or "=" not in o:
                 raise ddpm.ConfigError(f"unrecognised argument {o}: preset fields are given as --field=value")
             if field in ddpm.TrainerConfig.__dataclass_fields__ and field not in allowed:
-                raise ddpm.ConfigError(f"--{field}: here only ModelConfig fields change the preset (with --sample "
-                                       f"also {', '.join(sorted(SAMPLING_FIELDS))}); the rows set the rest")
+                also = ", ".join(sorted(SAMPLING_FIELDS))
+                raise ddpm.ConfigError(f"--{field}: here only ModelConfig fields change the preset (with "
+                                       f"--sample also {also}); the rows set the rest")
         mc, tc, _ = ddpm.parse_args(["--preset", args.preset, *overrides])
         patch_sizes = [q.strip() for q in args.patch_sizes.split(",")]
         if not all(q.isdigit() and int(q) >= 1 for q in patch_sizes):
@@ -540,9 +536,11 @@ def main(argv=None):
                 if trial["batch"] == "base":
                     batch = base_batch
                 elif change.get("batch") == "max":
-                    search = lambda: largest_batch(mc_row, trial, device, images, labels,  # noqa: E731
-                                                   base_batch, args.max_batch)
-                    batch = search() if alone else args.batch or (search() if gpu else 2 * base_batch)
+                    if alone or (gpu and not args.batch):  # searched; a one-off row ignores --batch
+                        batch = largest_batch(mc_row, trial, device, images, labels, base_batch,
+                                              args.max_batch)
+                    else:
+                        batch = args.batch or 2 * base_batch
                 else:
                     batch = scaled_batch or base_batch  # (the scaling row may have been skipped)
                 if len(images) < batch * (warmup + iters):

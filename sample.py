@@ -154,12 +154,7 @@ def main(argv=None):
     else:
         labels = None
     g = torch.Generator().manual_seed(args.seed)  # one CPU stream for all batches: reproducible on any device
-    evaluated = [0]  # images through the network, a guided step counting twice
-
-    def counted(z, t, y=None):
-        evaluated[0] += len(z)
-        return net(z, t, y)
-
+    counted, evaluated = counting(net)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     images, t0 = [], time.perf_counter()
@@ -197,6 +192,17 @@ def main(argv=None):
                         if k in result)
         print(f"FID {result['fid']:.3f} ({args.n} samples vs {result['reference']}){extra}; wrote {path}")
         return result
+
+
+def counting(net):
+    """-> (net, counting the images it evaluates, a guided step twice; a one-element list with the count)"""
+    evaluated = [0]
+
+    def counted(z, t, y=None):
+        evaluated[0] += len(z)
+        return net(z, t, y)
+
+    return counted, evaluated
 
 
 def sampling_speed(n, evaluated, seconds, device):
