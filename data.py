@@ -29,6 +29,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from errors import UserError, reported
+
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 SHAPE_CLASSES = ("circle", "square", "triangle", "diamond")  # label order of the 'shapes' dataset
 
@@ -36,15 +38,6 @@ SHAPE_CLASSES = ("circle", "square", "triangle", "diamond")  # label order of th
 # images in the built-in 'shapes' dataset, unless told otherwise (TrainerConfig.shapes_count)
 SHAPES_COUNT = 50_000
 BETON_DIR = "data/betons"  # where betons are cached, unless told otherwise (TrainerConfig.beton_dir)
-
-
-def first_line(e):
-    """An exception's message, first line only (possibly empty): for the one-line errors every CLI prints."""
-    return (str(e).strip().splitlines() or [""])[0]
-
-
-class DataError(Exception):
-    """Bad or missing data: reported to the user as one line."""
 
 
 def resize_center_crop(images, size):
@@ -69,7 +62,7 @@ def cifar10(data_dir, image_size, train=True):
     try:
         ds = torchvision.datasets.CIFAR10(data_dir, train=train, download=True)
     except Exception as e:  # no network, a partial file, ... : say where the files go
-        raise DataError(
+        raise UserError(
             f"could not get CIFAR-10 into '{data_dir}' ({type(e).__name__}: {e}). Put cifar-10-python.tar.gz "
             f"(https://www.cs.toronto.edu/~kriz/cifar.html) in '{data_dir}', or use --dataset=shapes, "
             "which works offline"
@@ -97,7 +90,7 @@ def image_folder(root, image_size):
     from PIL import Image
 
     if not os.path.isdir(root):
-        raise DataError(f"image folder '{root}' does not exist")
+        raise UserError(f"image folder '{root}' does not exist")
     files, skipped = [], 0
     for dirpath, _, names in sorted(os.walk(root)):
         for name in sorted(names):
@@ -106,7 +99,7 @@ def image_folder(root, image_size):
             else:
                 skipped += 1
     if not files:
-        raise DataError(f"image folder '{root}' holds no images ({', '.join(IMAGE_EXTENSIONS)})")
+        raise UserError(f"image folder '{root}' holds no images ({', '.join(IMAGE_EXTENSIONS)})")
     top = [os.path.relpath(f, root).split(os.sep)[0] for f in files]
     has_classes = all(os.path.isdir(os.path.join(root, d)) for d in top)
     classes = sorted(set(top)) if has_classes else []
@@ -121,7 +114,7 @@ def image_folder(root, image_size):
         images.append(resize_center_crop(torch.from_numpy(arr).permute(2, 0, 1)[None], image_size))
         labels.append(classes.index(d) if has_classes else 0)
     if not images:
-        raise DataError(f"image folder '{root}': none of its {len(files)} images could be read")
+        raise UserError(f"image folder '{root}': none of its {len(files)} images could be read")
     print(
         f"folder {root}: {len(images)} images, {max(len(classes), 1)} classes"
         f" ({skipped} non-image files skipped, {corrupt} unreadable images skipped)"
@@ -185,7 +178,7 @@ def load_dataset(name, data_dir, image_size, shapes_count=SHAPES_COUNT, train=Tr
         return image_folder(data_dir, image_size)
     if name == "shapes":
         return shapes(shapes_count, image_size, seed=0 if train else 1)
-    raise DataError(f"unknown dataset '{name}'")
+    raise UserError(f"unknown dataset '{name}'")
 
 
 # -----------------------------------------------------------------------------
@@ -236,15 +229,15 @@ def write_beton(images, labels, path, num_workers=2):
     field = RGBImageField(write_mode="raw") if raw else RGBImageField(write_mode="jpg", jpeg_quality=90)
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.exists(path) and not os.path.isfile(path):  # /dev/full, a folder: never replaced by a file
-        raise DataError(f"{path} exists and is not a regular file")
+        raise UserError(f"{path} exists and is not a regular file")
     need = images.numel() // (1 if raw else 4) + 2**20  # FFCV's writer hangs on a full disk: fail before it
     try:
         os.makedirs(folder, exist_ok=True)
         free = shutil.disk_usage(folder).free
     except OSError as e:
-        raise DataError(f"cannot write {path} ({e.strerror or e})") from None
+        raise UserError(f"cannot write {path} ({e.strerror or e})") from None
     if free < need:
-        raise DataError(f"{folder} has {free / 2**20:.0f} MiB free; "
+        raise UserError(f"{folder} has {free / 2**20:.0f} MiB free; "
                         f"the beton needs about {need / 2**20:.0f} MiB")
     tmp = f"{path}.tmp-{os.getpid()}"
     previous = (signal.signal(signal.SIGTERM, interrupt)
@@ -254,7 +247,7 @@ def write_beton(images, labels, path, num_workers=2):
                       num_workers=num_workers).from_indexed_dataset(Rows())
         os.replace(tmp, path)
     except OSError as e:
-        raise DataError(f"cannot write {path} ({e.strerror or e})") from None
+        raise UserError(f"cannot write {path} ({e.strerror or e})") from None
     finally:  # an error, Ctrl-C or SIGTERM leaves no temporary file behind
         with contextlib.suppress(OSError):
             os.remove(tmp)
@@ -315,7 +308,7 @@ def write_verified_beton(images, labels, num_classes, path):
             json.dump(meta, f)
         os.replace(path + ".json.tmp", path + ".json")
     except OSError as e:
-        raise DataError(f"cannot write {path}.json ({e.strerror or e})") from None
+        raise UserError(f"cannot write {path}.json ({e.strerror or e})") from None
     return meta
 
 
@@ -328,7 +321,7 @@ def read_meta(path):
         with open(path + ".json") as f:
             meta = json.load(f)
     except (OSError, ValueError) as e:
-        raise DataError(f"cannot read {path}.json ({type(e).__name__}); "
+        raise UserError(f"cannot read {path}.json ({type(e).__name__}); "
                         f"delete it and {path} to rewrite them") from None
     if "blake2b" not in meta:
         print(f"note: {path} has no checksum recorded (an older cache); rewriting it")
@@ -346,7 +339,7 @@ def verify_beton(path, meta, image_size):
                if checksum(path) != meta["blake2b"]
                else None)
     if problem:
-        raise DataError(f"{path} {problem} (corrupt or replaced): delete it and its .json to rewrite it")
+        raise UserError(f"{path} {problem} (corrupt or replaced): delete it and its .json to rewrite it")
 
 
 # -----------------------------------------------------------------------------
@@ -402,7 +395,7 @@ class Loader:
     def _init_state(self, n, batch_size, seed, device, hflip, with_labels):
         # under torchrun each rank draws from its 1/world share of the images
         if batch_size * world_size() > n:
-            raise DataError(f"the global batch of {batch_size * world_size()} images "
+            raise UserError(f"the global batch of {batch_size * world_size()} images "
                             f"exceeds the dataset's {n}")
         self.n, self.batch_size, self.seed, self.hflip, self.with_labels = (int(n), batch_size, seed, hflip,
                                                                             with_labels)
@@ -460,12 +453,12 @@ class FFCVLoader(Loader):
 
         device = torch.device(device)
         if not os.path.exists(path):
-            raise DataError(f"no beton at {path}")
+            raise UserError(f"no beton at {path}")
         try:
             with torch_threads_kept():
                 self.ffcv = self._open(path, batch_size, num_workers, device)
         except Exception as e:  # FFCV's own errors on a damaged file are assertions and index errors
-            raise DataError(f"cannot read the beton {path} ({type(e).__name__}: {e}); "
+            raise UserError(f"cannot read the beton {path} ({type(e).__name__}: {e}); "
                             f"it is corrupt or truncated: delete it (and {os.path.basename(path)}.json) "
                             "and it is written again") from None
         outer = self
@@ -559,25 +552,22 @@ def main(argv=None):
                    help="images in the built-in shapes dataset")
     p.add_argument("--out", help="the .beton to write")
     args = p.parse_args(argv)
-    try:
+    with reported():
         for name in ("image_size", "shapes_count"):
             if getattr(args, name) < 1:
-                raise DataError(f"--{name} {getattr(args, name)}: must be >= 1")
+                raise UserError(f"--{name} {getattr(args, name)}: must be >= 1")
         if args.out:
             if not ffcv_available():
-                raise DataError("ffcv cannot be imported: run make setup "
+                raise UserError("ffcv cannot be imported: run make setup "
                                 "(it needs libturbojpeg0-dev libopencv-dev pkg-config)")
             if os.path.exists(args.out) and not os.path.isfile(args.out):  # before loading any data
-                raise DataError(f"{args.out} exists and is not a regular file")
+                raise UserError(f"{args.out} exists and is not a regular file")
             images, labels, num_classes = load_dataset(args.dataset, args.data_dir, args.image_size,
                                                        args.shapes_count, train=args.split == "train")
             write_verified_beton(images, labels, num_classes, args.out)
             print(f"wrote {args.out} and {args.out}.json: {len(images)} images, {args.image_size}px")
         else:
-            raise DataError("give --out PATH.beton, the beton to write")
-    except DataError as e:
-        print(f"error: {e}", file=__import__("sys").stderr)
-        raise SystemExit(2)
+            raise UserError("give --out PATH.beton, the beton to write")
 
 
 if __name__ == "__main__":

@@ -6,127 +6,178 @@
     python ddpm.py --out_dir=runs/x --resume        # continue a run from its ckpt.pt
     python ddpm.py --help                           # every field with its default and meaning
 
-Read top to bottom, in the file's order: the two configs, their presets and validation; the diffusion
-maths (Diffusion: schedule, loss, samplers, bits/dim); FLOP counting and MFU; the train step and the EMA
-update shared with benchmark.py; the run folder (environment, checkpoints, grids, the loss plot, diffusers
-folders via load_ema); scale-out and survival (torchrun/DDP, the run lock, preemption, resume); the training
-loop; the CLI. The network is in unet.py and knows nothing of the noise schedule; data is in data.py; the
-evaluation (FID, bits/dim) in evaluate.py.
+This file holds the method, in four numbered sections read top to bottom: 1. the two configs with their
+ranges, presets and CLI; 2. the diffusion maths (Diffusion: schedule, loss, bits/dim) and the samplers, one
+function each in the SAMPLERS table; 3. build() and the train step, shared with benchmark.py; 4. the training
+loop. The machinery sits beside it: runs.py (device, torchrun, run folder, checkpoints, preemption), mfu.py
+(FLOP counting, peaks, timing), data.py, evaluate.py (FID, bits/dim), diffusers_io.py, and unet.py, the
+network, which knows nothing of the noise schedule.
 
 Measured (2026-12-03, torch 2.14.1): the demo preset learns recognisable 16x16 shapes in 1 min 45 s on
-2 AVX512-BF16 CPU cores (bf16, 375 img/s); 4 min 35 s in fp32 on 2 AVX2 cores (2026-12-02). No GPU figures
-yet: BENCHMARKS.md.
+2 AVX512-BF16 CPU cores (bf16, 375 img/s). No GPU figures yet: BENCHMARKS.md.
 """
 import contextlib
 import copy
 import dataclasses
 import inspect
-import json
 import math
 import os
-import platform
 import re
-import signal
 import statistics
-import subprocess
 import sys
-import threading
 import time
 import typing
 from dataclasses import asdict, dataclass
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 
+import data
 import diffusers_io
 import evaluate
+import mfu
+import runs
 import unet
-import data
-from data import DataError, first_line, make_loader
+from data import make_loader
+from errors import RUN_STOPPED, UserError, first_line, reported
 from unet import UNet
 
 # -----------------------------------------------------------------------------
-# Configuration: every hyperparameter is spelled once, here. Presets override fields;
-# the CLI and --help are generated from these fields and their comments.
+# 1. Configuration: every hyperparameter is spelled once, here, with its range or choices beside it. Presets
+# override fields; the CLI and --help are generated from these fields and their comments.
+
+
+def ranged(default, lo, hi=None):
+    """A numeric field whose value must lie in [lo, hi) (hi None: no upper bound); validate() checks it."""
+    return dataclasses.field(default=default, metadata={"range": (lo, hi)})
+
+
+def chosen(default, table):
+    """A field whose value is a key of `table`, looked up when checked: a sampler registered later counts."""
+    return dataclasses.field(default=default, metadata={"choices": table})
+
+
+SAMPLERS = {}  # sampler name -> Sampler; section 2 fills it (@sampler), and TrainerConfig.sampler reads it
 
 
 @dataclass
 class ModelConfig:  # the network and the diffusion process
-    image_size: int = 32                                # training resolution in pixels (square)
-    channels: int = 3                                   # image channels
-    patch_size: int = 1                                 # P: fold PxP patches into channels (Luhman & Luhman 2022); 1 = off
-    pos_emb: bool = False                               # add a fixed 2D sinusoidal position embedding after the input conv
-    base_channels: int = 128                            # width of the first UNet level
-    channel_mult: tuple[float, ...] = (1, 2, 2, 2)      # width multiplier per level (width = int(base x mult)); one level per entry
-    num_res_blocks: int = 2                             # residual blocks per level on the way down
-    attn_resolutions: tuple[int, ...] = (16,)           # resolutions of the patched grid that get self-attention
-    attn_heads: int = 1                                 # attention heads; 0 = as many as the block's width / attn_head_dim
-    attn_head_dim: int = 0                              # channels per head; 0 = the block's width / attn_heads
-    dropout: float = 0.1                                # dropout in the residual blocks
-    num_classes: int = 0                                # class-conditional with this many classes; 0 = unconditional
-    p_uncond: float = 0.1                               # probability of dropping the label in training (for guidance)
-    prediction: Literal["eps", "x", "v"] = "eps"        # network output: noise eps, clean image x, or v = sqrt(ab)eps - sqrt(1-ab)x
-    schedule: Literal["linear", "cosine"] = "linear"    # beta_t schedule: Ho et al. linear, or Nichol & Dhariwal cosine
-    timesteps: int = 1000                               # T, number of diffusion steps
-    beta_start: float = 1e-4                            # beta_1 of the linear schedule
-    beta_end: float = 0.02                              # beta_T of the linear schedule
-    loss_weighting: Literal["none", "sqrt_snr", "min_snr"] = "none"  # none = MSE on the target; sqrt_snr / min_snr: see Diffusion
-    min_snr_gamma: float = 5.0                          # gamma of the min_snr weighting (Hang et al. 2023)
-    reverse_variance: Literal["large", "small"] = "large"  # sigma_t^2 of ancestral sampling: large = beta_t, small = posterior beta~_t
-    split_timestep: int = 0                             # model splitting (Luhman & Luhman §3.3): experts for t < S and t >= S; 0 = one model
-    split_snr: float = 0.0                              # alternative to split_timestep: S = first t with SNR(t) < split_snr (paper: 0.25); 0 = unused
-    split_part: Literal["low", "high"] = "low"          # which expert this model is: 'low' trains t < S, 'high' t >= S
+    image_size: int = ranged(32, 1)                     # training resolution in pixels (square)
+    channels: int = ranged(3, 1)                        # image channels
+    patch_size: int = ranged(1, 1)                      # P: fold PxP patches into channels
+                                                        # (Luhman & Luhman 2022); 1 = off
+    pos_emb: bool = False                               # add a fixed 2D sinusoidal position embedding after
+                                                        # the input conv
+    base_channels: int = ranged(128, 4)                 # width of the first UNet level
+    channel_mult: tuple[float, ...] = (1, 2, 2, 2)      # width multiplier per level
+                                                        # (width = int(base x mult)); one level per entry
+    num_res_blocks: int = ranged(2, 1)                  # residual blocks per level on the way down
+    attn_resolutions: tuple[int, ...] = (16,)           # resolutions of the patched grid that get
+                                                        # self-attention
+    attn_heads: int = ranged(1, 0)                      # attention heads; 0 = as many as the block's width
+                                                        # / attn_head_dim
+    attn_head_dim: int = ranged(0, 0)                   # channels per head; 0 = the block's width
+                                                        # / attn_heads
+    dropout: float = ranged(0.1, 0, 1)                  # dropout in the residual blocks
+    num_classes: int = ranged(0, 0)                     # class-conditional with this many classes;
+                                                        # 0 = unconditional
+    p_uncond: float = ranged(0.1, 0, 1)                 # probability of dropping the label in training
+                                                        # (for guidance)
+    prediction: Literal["eps", "x", "v"] = "eps"        # network output: noise eps, clean image x,
+                                                        # or v = sqrt(ab)eps - sqrt(1-ab)x
+    schedule: Literal["linear", "cosine"] = "linear"    # beta_t schedule: Ho et al. linear,
+                                                        # or Nichol & Dhariwal cosine
+    timesteps: int = ranged(1000, 2)                    # T, number of diffusion steps
+    beta_start: float = ranged(1e-4, 0, 1)              # beta_1 of the linear schedule
+    beta_end: float = ranged(0.02, 0, 1)                # beta_T of the linear schedule
+    loss_weighting: Literal["none", "sqrt_snr", "min_snr"] = "none"  # none = MSE on the target;
+                                                        # sqrt_snr / min_snr: see Diffusion._loss_weight
+    min_snr_gamma: float = ranged(5.0, 1e-12)           # gamma of the min_snr weighting (Hang et al. 2023)
+    reverse_variance: Literal["large", "small"] = "large"  # sigma_t^2 of ancestral sampling:
+                                                        # large = beta_t, small = posterior beta~_t
+    split_timestep: int = ranged(0, 0)                  # model splitting (Luhman & Luhman §3.3): experts for
+                                                        # t < S and t >= S; 0 = one model
+    split_snr: float = ranged(0.0, 0)                   # alternative to split_timestep: S = first t with
+                                                        # SNR(t) < split_snr (paper: 0.25); 0 = unused
+    split_part: Literal["low", "high"] = "low"          # which expert this model is: 'low' trains t < S,
+                                                        # 'high' t >= S
 
 
 @dataclass
 class TrainerConfig:  # the run
-    dataset: Literal["cifar10", "folder", "shapes"] = "cifar10"  # training data; 'shapes' is built in and offline
-    data_dir: str = "data"                              # download folder ('cifar10') or the image folder ('folder')
-    shapes_count: int = data.SHAPES_COUNT               # images in the built-in 'shapes' dataset
-    loader: Literal["ffcv", "torch", "resident"] = "ffcv"  # FFCV from a cached .beton; gathers from uint8 tensors in host memory; or on the device
+    dataset: Literal["cifar10", "folder", "shapes"] = "cifar10"  # training data; 'shapes' is built in
+                                                        # and offline
+    data_dir: str = "data"                              # download folder ('cifar10') or the image folder
+                                                        # ('folder')
+    shapes_count: int = ranged(data.SHAPES_COUNT, 1)    # images in the built-in 'shapes' dataset
+    loader: Literal["ffcv", "torch", "resident"] = "ffcv"  # FFCV from a cached .beton; gathers from uint8
+                                                        # tensors in host memory; or on the device
     beton_dir: str = data.BETON_DIR                     # where .beton files are written once and reused
-    fid_stats_dir: str = "data/fid_stats"               # where the training set's FID reference statistics are cached
-    num_workers: int = 2                                # FFCV loader threads
-    batch_size: int = 128                               # global batch size, images per optimizer step
-    grad_accum_steps: int = 1                           # micro-batches per optimizer step and rank (the batch is split, not grown)
-    max_steps: int = 800_000                            # optimizer steps to train for
-    lr: float = 2e-4                                    # peak AdamW learning rate
-    warmup_steps: int = 5000                            # linear LR warm-up, in steps; 0 = none
-    lr_schedule: Literal["constant", "cosine"] = "constant"  # after warm-up: hold the LR, or cosine-decay it to 0 at max_steps
-    weight_decay: float = 0.0                           # AdamW decoupled weight decay
-    adam_beta1: float = 0.9                             # AdamW beta1
-    adam_beta2: float = 0.999                           # AdamW beta2
-    grad_clip: float = 1.0                              # max global gradient norm; 0 = no clipping
-    max_nonfinite_steps: int = 20                       # steps with a non-finite loss or gradient are skipped; stop after this many in a row
-    ema_decay: float = 0.9999                           # EMA of the weights, per step; 0 = the EMA is a copy of the model
-    ema_warmup: bool = True                             # ramp the EMA decay as min(ema_decay, (1+step)/(10+step))
+    fid_stats_dir: str = "data/fid_stats"               # where the training set's FID reference statistics
+                                                        # are cached
+    num_workers: int = ranged(2, 1)                     # FFCV loader threads
+    batch_size: int = ranged(128, 1)                    # global batch size, images per optimizer step
+    grad_accum_steps: int = ranged(1, 1)                # micro-batches per optimizer step and rank
+                                                        # (the batch is split, not grown)
+    max_steps: int = ranged(800_000, 0)                 # optimizer steps to train for
+    lr: float = ranged(2e-4, 0)                         # peak AdamW learning rate
+    warmup_steps: int = ranged(5000, 0)                 # linear LR warm-up, in steps; 0 = none
+    lr_schedule: Literal["constant", "cosine"] = "constant"  # after warm-up: hold the LR, or cosine-decay it
+                                                        # to 0 at max_steps
+    weight_decay: float = ranged(0.0, 0)                # AdamW decoupled weight decay
+    adam_beta1: float = ranged(0.9, 0, 1)               # AdamW beta1
+    adam_beta2: float = ranged(0.999, 0, 1)             # AdamW beta2
+    grad_clip: float = ranged(1.0, 0)                   # max global gradient norm; 0 = no clipping
+    max_nonfinite_steps: int = ranged(20, 1)            # steps with a non-finite loss or gradient are
+                                                        # skipped; stop after this many in a row
+    ema_decay: float = ranged(0.9999, 0, 1)             # EMA of the weights, per step; 0 = the EMA is a copy
+                                                        # of the model
+    ema_warmup: bool = True                             # ramp the EMA decay as
+                                                        # min(ema_decay, (1+step)/(10+step))
     hflip: bool = True                                  # random horizontal flips
-    precision: Literal["auto", "bf16", "fp16", "tf32", "fp32"] = "auto"  # bf16 / fp16 (+ loss scaling) autocast, fp32 with TF32, true fp32; auto = bf16 where the hardware has it, fp16 on older GPUs
-    compile: Literal["auto", "true", "false"] = "auto"  # torch.compile the network; auto = on a GPU, not on a CPU (minutes to compile, slower there)
-    compile_mode: Literal["default", "max-autotune", "reduce-overhead"] = "default"  # torch.compile mode; reduce-overhead = CUDA graphs
-    channels_last: Literal["auto", "true", "false"] = "auto"  # NHWC activations and weights; auto = true, except bf16 on a CPU (NCHW is faster there)
-    cpu_threads: int = 0                                # CPU: intra-op threads for the step; 0 = torch's default (one per core)
-    attention: Literal["sdpa", "math"] = "sdpa"         # attention kernel: F.scaled_dot_product_attention, or explicit softmax
-    activation_checkpointing: bool = False              # recompute each residual/attention block in the backward pass: less memory, ~1 more forward
+    precision: Literal["auto", "bf16", "fp16", "tf32", "fp32"] = "auto"  # bf16 / fp16 (+ loss scaling)
+                                                        # autocast, fp32 with TF32, true fp32; auto = bf16
+                                                        # where the hardware has it, fp16 on older GPUs
+    compile: Literal["auto", "true", "false"] = "auto"  # torch.compile the network; auto = on a GPU, not on
+                                                        # a CPU (minutes to compile, slower there)
+    compile_mode: Literal["default", "max-autotune", "reduce-overhead"] = "default"  # torch.compile mode;
+                                                        # reduce-overhead = CUDA graphs
+    channels_last: Literal["auto", "true", "false"] = "auto"  # NHWC activations and weights; auto = true,
+                                                        # except bf16 on a CPU (NCHW is faster there)
+    cpu_threads: int = ranged(0, 0)                     # CPU: intra-op threads for the step; 0 = torch's
+                                                        # default (one per core)
+    attention: Literal["sdpa", "math"] = "sdpa"         # attention kernel: F.scaled_dot_product_attention,
+                                                        # or explicit softmax
+    activation_checkpointing: bool = False              # recompute each residual/attention block in the
+                                                        # backward pass: less memory, ~1 more forward
     out_dir: str = ""                                   # run folder; '' = runs/<preset>-<date>-<time>
     resume: bool = False                                # continue from out_dir/ckpt.pt
-    init_from: str = ""                                 # start model and EMA weights from this checkpoint (e.g. the other expert's); '' = fresh
-    log_every_steps: int = 100                          # steps between metrics.jsonl lines (each is a GPU->CPU sync)
-    sample_every_steps: int = 10_000                    # steps between EMA sample grids; 0 = only at the end
-    ckpt_every_steps: int = 5000                        # steps between checkpoints; 0 = only at the end
-    num_samples: int = 64                               # images per sample grid
-    sampler: Literal["ddpm", "ddim", "dpm++"] = "ddpm"  # sampler for the grids
-    sample_steps: int = 0                               # sampler steps for the grids; 0 = all T
-    guidance: float = 1.0                               # classifier-free guidance weight w for the grids and the FID samples; 1 = none
-    threshold: Literal["static", "dynamic", "none"] = "static"  # x0 clipping when sampling: static [-1, 1], dynamic (Saharia et al. 2022, p99.5), none
-    eval_every_steps: int = 0                           # steps between evaluations (FID, bits/dim) logged to metrics.jsonl; 0 = never
-    eval_fid_samples: int = 5000                        # EMA samples for that FID, against the training set (torch-fidelity); 0 = no FID
-    eval_sample_steps: int = 20                         # DPM-Solver++ steps for those samples
-    eval_bpd_images: int = 1000                         # held-out images for bits/dim (the test split; 'folder': its own images); 0 = none
-    eval_bpd_strata: int = 8                            # bits/dim estimated from 2 x strata + 1 network calls (Diffusion.bpd_estimate)
-    seed: int = 0                                       # seeds the weights, the data order, the noise and the grids
-    device: str = "auto"                                # 'auto' = cuda if present, else cpu; or 'cpu', 'cuda', 'cuda:1', ...
+    init_from: str = ""                                 # start model and EMA weights from this checkpoint
+                                                        # (e.g. the other expert's); '' = fresh
+    log_every_steps: int = ranged(100, 1)               # steps between metrics.jsonl lines (each is a
+                                                        # GPU->CPU sync)
+    sample_every_steps: int = ranged(10_000, 0)         # steps between EMA sample grids; 0 = only at the end
+    ckpt_every_steps: int = ranged(5000, 0)             # steps between checkpoints; 0 = only at the end
+    num_samples: int = ranged(64, 0)                    # images per sample grid
+    sampler: str = chosen("ddpm", SAMPLERS)             # sampler for the grids (the SAMPLERS table)
+    sample_steps: int = ranged(0, 0)                    # sampler steps for the grids; 0 = all T
+    guidance: float = ranged(1.0, 0)                    # classifier-free guidance weight w for the grids
+                                                        # and the FID samples; 1 = none
+    threshold: Literal["static", "dynamic", "none"] = "static"  # x0 clipping when sampling: static [-1, 1],
+                                                        # dynamic (Saharia et al. 2022, p99.5), none
+    eval_every_steps: int = ranged(0, 0)                # steps between evaluations (FID, bits/dim) logged to
+                                                        # metrics.jsonl; 0 = never
+    eval_fid_samples: int = ranged(5000, 0)             # EMA samples for that FID, against the training set
+                                                        # (torch-fidelity); 0 = no FID
+    eval_sample_steps: int = ranged(20, 1)              # DPM-Solver++ steps for those samples
+    eval_bpd_images: int = ranged(1000, 0)              # held-out images for bits/dim (the test split;
+                                                        # 'folder': its own images); 0 = none
+    eval_bpd_strata: int = ranged(8, 1)                 # bits/dim estimated from 2 x strata + 1 network calls
+                                                        # (Diffusion.bpd_estimate)
+    seed: int = ranged(0, 0, 2**63 - 1024)              # seeds the weights, the data order, the noise and the
+                                                        # grids
+    device: str = "auto"                                # 'auto' = cuda if present, else cpu; or 'cpu',
+                                                        # 'cuda', 'cuda:1', ...
 
 
 # What every model of Luhman & Luhman 2022 shares in the authors' code: a fixed position embedding, 64-channel
@@ -173,18 +224,23 @@ PRESETS = {
 }
 
 
-class ConfigError(Exception):
-    """An invalid config value or combination: reported to the user as one line."""
-
-
 def field_comments(cls):
-    """The trailing '# ...' comment of each dataclass field: the single source of --help."""
-    src = inspect.getsource(cls)
-    return dict(re.findall(r"^\s+(\w+):[^#\n]*#\s*(.*)$", src, flags=re.M))
-
+    """The '# ...' comment of each dataclass field, with the comment-only lines under it: the source of
+    --help."""
+    comments, name = {}, None
+    for line in inspect.getsource(cls).splitlines():
+        field = re.match(r"^\s+(\w+):[^#\n]*#\s*(.*)$", line)
+        more = re.match(r"^\s+#\s*(.*)$", line)
+        if field:
+            name, comments[field.group(1)] = field.group(1), field.group(2)
+        elif more and name:
+            comments[name] += " " + more.group(1)
+        else:
+            name = None
+    return comments
 
 def parse_value(name, text, typ):
-    """Convert one CLI string to a field's type, or raise ConfigError naming the field."""
+    """Convert one CLI string to a field's type, or raise UserError naming the field."""
     truthy, falsy = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
     try:
         if typing.get_origin(typ) is Literal:
@@ -204,53 +260,36 @@ def parse_value(name, text, typ):
             return tuple(item(v) for v in text.split(",") if v.strip())
         return typ(text)
     except ValueError as e:
-        raise ConfigError(f"--{name}={text}: {e}") from None
+        raise UserError(f"--{name}={text}: {e}") from None
 
-
-# the range of every numeric field, [lo, hi) (hi None: no upper bound); validate() adds the relations
-BOUNDS = {
-    "image_size": (1, None), "channels": (1, None), "patch_size": (1, None), "base_channels": (4, None),
-    "num_res_blocks": (1, None), "attn_heads": (0, None), "attn_head_dim": (0, None), "dropout": (0, 1),
-    "num_classes": (0, None), "p_uncond": (0, 1), "timesteps": (2, None), "beta_start": (0, 1),
-    "beta_end": (0, 1), "min_snr_gamma": (1e-12, None), "split_timestep": (0, None), "split_snr": (0, None),
-    "shapes_count": (1, None), "num_workers": (1, None), "batch_size": (1, None),
-    "grad_accum_steps": (1, None), "max_steps": (0, None),
-    "lr": (0, None), "warmup_steps": (0, None), "weight_decay": (0, None), "adam_beta1": (0, 1),
-    "adam_beta2": (0, 1), "grad_clip": (0, None), "max_nonfinite_steps": (1, None), "ema_decay": (0, 1),
-    "cpu_threads": (0, None), "log_every_steps": (1, None), "sample_every_steps": (0, None),
-    "ckpt_every_steps": (0, None), "num_samples": (0, None), "sample_steps": (0, None), "guidance": (0, None),
-    "eval_every_steps": (0, None), "eval_fid_samples": (0, None), "eval_sample_steps": (1, None),
-    "eval_bpd_images": (0, None), "eval_bpd_strata": (1, None), "seed": (0, 2**63 - 1024),
-}
 
 
 def validate(mc, tc):
-    """Catch impossible values and combinations before anything is built."""
+    """Catch impossible values and combinations before anything is built: each field's choices and range
+    (beside the field), then the relations between fields."""
     def check(ok, msg):
         if not ok:
-            raise ConfigError(msg)
+            raise UserError(msg)
 
-    for cfg in (mc, tc):  # Literal fields set from Python rather than the CLI
+    for cfg in (mc, tc):
         hints = typing.get_type_hints(type(cfg))
         for f in dataclasses.fields(cfg):
-            typ = hints[f.name]
-            if typing.get_origin(typ) is Literal:
-                v = getattr(cfg, f.name)
-                check(v in typing.get_args(typ),
-                      f"{f.name}='{v}': choose one of {', '.join(typing.get_args(typ))}")
-    for cfg in (mc, tc):  # every number in range, NaN and inf included; relations between fields follow
-        for f in dataclasses.fields(cfg):
             v = getattr(cfg, f.name)
-            if f.name in BOUNDS and isinstance(v, (int, float)) and not isinstance(v, bool):
-                lo, hi = BOUNDS[f.name]
-                check(math.isfinite(v) and lo <= v and (hi is None or v < hi),
+            choices = (typing.get_args(hints[f.name]) if typing.get_origin(hints[f.name]) is Literal
+                       else f.metadata.get("choices"))
+            if choices is not None:  # Literal fields set from Python rather than the CLI, and table keys
+                check(v in choices, f"{f.name}='{v}': choose one of {', '.join(choices)}")
+            if "range" in f.metadata:  # every number in range, NaN and inf included
+                lo, hi = f.metadata["range"]
+                check(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                      and lo <= v and (hi is None or v < hi),
                       f"{f.name}={v}: must be " + (f">= {lo}" if hi is None else f"in [{lo}, {hi})"))
     check(0 <= mc.split_timestep < mc.timesteps, f"split_timestep must lie in [0, timesteps={mc.timesteps})")
     check(not (mc.split_timestep and mc.split_snr), "give split_timestep or split_snr, not both")
     try:
         split_timestep(mc)
     except ValueError as e:
-        raise ConfigError(str(e)) from None
+        raise UserError(str(e)) from None
     check(len(mc.channel_mult) >= 1 and all(math.isfinite(m) and m > 0 for m in mc.channel_mult),
           "channel_mult needs one or more positive entries")
     levels = len(mc.channel_mult)
@@ -283,6 +322,7 @@ def validate(mc, tc):
           "micro-batches")
 
 
+
 def parse_args(argv):
     """-> (ModelConfig, TrainerConfig, preset name). Flat: every field is --name=value."""
     hints = {**typing.get_type_hints(ModelConfig), **typing.get_type_hints(TrainerConfig)}
@@ -293,23 +333,23 @@ def parse_args(argv):
             print_help()
             sys.exit(0)
         if not a.startswith("--"):
-            raise ConfigError(f"unexpected argument '{a}'; fields are given as --name=value")
+            raise UserError(f"unexpected argument '{a}'; fields are given as --name=value")
         name, eq, text = a[2:].partition("=")
         flag = hints.get(name) is bool or "true" in typing.get_args(hints.get(name))  # takes a bare --name
         if not eq and not flag:  # '--name value'; a bare '--flag' means true
             text = next(it, None)
             if text is None:
-                raise ConfigError(f"--{name} needs a value")
+                raise UserError(f"--{name} needs a value")
         if name == "preset":
             preset = text
         else:
             args.append((name, text if eq or not flag else "true"))
     if preset not in PRESETS:
-        raise ConfigError(f"unknown preset '{preset}'; choose one of {', '.join(PRESETS)}")
+        raise UserError(f"unknown preset '{preset}'; choose one of {', '.join(PRESETS)}")
     overrides = dict(PRESETS[preset])
     for name, text in args:
         if name not in hints:
-            raise ConfigError(f"unknown field --{name} (see --help)")
+            raise UserError(f"unknown field --{name} (see --help)")
         overrides[name] = parse_value(name, text, hints[name])
     mc = ModelConfig(**{k: v for k, v in overrides.items() if k in ModelConfig.__dataclass_fields__})
     tc = TrainerConfig(**{k: v for k, v in overrides.items() if k in TrainerConfig.__dataclass_fields__})
@@ -327,10 +367,8 @@ def print_help():
             default = f.default if not isinstance(f.default, tuple) else ",".join(map(str, f.default))
             print(f"  {f'--{f.name}={default}':<34} {comments.get(f.name, '')}")
         print()
-
-
 # -----------------------------------------------------------------------------
-# The diffusion process. Notation of Ho et al. 2020: t = 0..T-1 here is the paper's t = 1..T
+# 2. The diffusion process. Notation of Ho et al. 2020: t = 0..T-1 here is the paper's t = 1..T
 # (t = 0 the least noisy); alpha_bar[t] is the paper's ᾱ_t = prod_{s<=t} (1 - β_s).
 
 
@@ -519,11 +557,11 @@ class Diffusion(torch.nn.Module):
     def q_posterior_mean_variance(self, x0, z, t):
         """q(x_{t-1} | x_t, x_0) for a batch of timesteps t: (B,)  (Ho et al. eq. 7)."""
         return self.q_posterior(x0, z, extract(self.alpha_bar, t, z), extract(self.alpha_bar_prev, t, z))
-
     def timestep_sequence(self, steps=None, spacing="time"):
-        """Descending timesteps to sample with: all T, or `steps` of them from T-1 to 0, evenly spaced
-        in t ('time') or in λ = log(α/σ) = ½ log SNR ('logsnr', Lu et al. 2022's choice for
-        pixel-space DPM-Solver); timesteps that coincide after rounding are taken once."""
+        """Descending timesteps to sample with: all T, or `steps` of them from T-1 to 0, spaced evenly in t
+        ('time'), in λ = log(α/σ) = ½ log SNR ('logsnr', Lu et al. 2022's choice for pixel-space
+        DPM-Solver), or as Karras et al. 2022 eq. 5 spaces σ = √((1-ᾱ)/ᾱ) ('karras', ρ = 7, each σ taken to
+        the nearest timestep in log σ); timesteps that coincide after rounding are taken once."""
         T = self.cfg.timesteps
         if not steps or steps == T:
             return list(range(T - 1, -1, -1))
@@ -531,9 +569,17 @@ class Diffusion(torch.nn.Module):
             raise ValueError(f"steps must lie in [1, {T}], got {steps}")
         if spacing == "time":
             return sorted({round(i * (T - 1) / max(steps - 1, 1)) for i in range(steps)}, reverse=True)
-        lam = 0.5 * torch.log(self.alpha_bar / (1 - self.alpha_bar)).cpu()  # increasing as t falls
-        targets = torch.linspace(lam[-1].item(), lam[0].item(), steps, dtype=torch.float64)
-        return sorted({int((lam - v).abs().argmin()) for v in targets}, reverse=True)
+        log_snr = torch.log(self.alpha_bar / (1 - self.alpha_bar)).cpu()  # decreasing in t
+        if spacing == "logsnr":
+            targets = torch.linspace(log_snr[-1].item(), log_snr[0].item(), steps, dtype=torch.float64)
+        elif spacing == "karras":
+            rho, (hi, lo) = 7.0, (torch.exp(-0.5 * log_snr[[-1, 0]])).tolist()  # σ_max, σ_min
+            ramp = torch.linspace(0, 1, steps, dtype=torch.float64)
+            sigmas = (hi ** (1 / rho) + ramp * (lo ** (1 / rho) - hi ** (1 / rho))) ** rho
+            targets = -2 * torch.log(sigmas)  # log SNR = -2 log σ
+        else:
+            raise ValueError(f"unknown spacing '{spacing}'")
+        return sorted({int((log_snr - v).abs().argmin()) for v in targets}, reverse=True)
 
     def guided(self, model, z, t, y, guidance):
         """The model output with classifier-free guidance: out_u + w (out_c - out_u)
@@ -551,55 +597,28 @@ class Diffusion(torch.nn.Module):
     @torch.no_grad()
     def sample(self, model, shape, *, sampler="ddpm", steps=None, y=None, guidance=1.0, generator=None,
                eta=0.0, threshold="static", percentile=0.995):
-        """Draw images in [-1, 1] of `shape` = (B, C, H, W), starting from z_T ~ N(0, I).
+        """Draw images in [-1, 1] of `shape` = (B, C, H, W), starting from z_T ~ N(0, I), with a sampler of
+        the SAMPLERS table (below) on `steps` timesteps spaced as that sampler wants (all T when None).
 
-        'ddpm':  ancestral sampling (Ho et al. Algorithm 2) through the posterior of eq. 7 with x̂₀
-                 plugged in, and σ² = β_t ('large') or β̃_t ('small'); with `steps` < T it runs on
-                 the respaced chain of those timesteps (Nichol & Dhariwal 2021 §4).
-        'ddim':  Song et al. 2021 eq. 12 on `steps` evenly spaced timesteps, with
-                 σ = η √((1-ᾱ_s)/(1-ᾱ_t)) √(1 - ᾱ_t/ᾱ_s); η = 0 is deterministic.
-        'dpm++': DPM-Solver++(2M) (Lu et al. 2022, Algorithm 2): with α = √ᾱ, σ = √(1-ᾱ),
-                 λ = log(α/σ) and h = λ_s - λ_t, z_s = (σ_s/σ_t) z_t - α_s (e^{-h} - 1) D, where
-                 D = x̂₀ on the first step and (1 + 1/2r) x̂₀ - (1/2r) x̂₀_prev after, r = h_prev/h;
-                 its `steps` are evenly spaced in λ (timestep_sequence 'logsnr').
-        Every sampler ends with x̂₀ at t = 0, honours guidance and `threshold` (see predict_x0_eps).
-        `generator` (on any device) makes the noise, and so the samples, reproducible.
+        The sampler sees the network only through denoise(z_t, t) -> (x̂₀, ε̂), with classifier-free
+        guidance and `threshold` applied (guided, predict_x0_eps), and ends on x̂₀ at t = 0. `generator`
+        (on any device) makes the noise, and so the samples, reproducible.
         """
+        if sampler not in SAMPLERS:
+            raise ValueError(f"unknown sampler '{sampler}'; choose one of {', '.join(SAMPLERS)}")
         device = self.alpha_bar.device
         gen_device = generator.device if generator is not None else device
 
-        def randn():
+        def noise():
             return torch.randn(shape, generator=generator, device=gen_device).to(device)
 
-        ts = self.timestep_sequence(steps, spacing="logsnr" if sampler == "dpm++" else "time")
-        alpha_bar = self.alpha_bar.tolist()  # python floats: the coefficients below are computed in float64
-        z, x0_prev, h_prev = randn(), None, None
-        for i, t in enumerate(ts):
-            s = ts[i + 1] if i + 1 < len(ts) else -1  # -1: the clean image, ᾱ = 1
-            ab_t, ab_s = alpha_bar[t], (alpha_bar[s] if s >= 0 else 1.0)
+        def denoise(z, t):
             tt = torch.full((shape[0],), t, device=device, dtype=torch.long)
-            x0, eps = self.predict_x0_eps(self.guided(model, z, tt, y, guidance), z, tt, threshold,
-                                          percentile)
-            if s < 0:  # the last step lands on x̂₀ for every sampler
-                z = x0
-            elif sampler == "ddpm":
-                mean, var_small = self.q_posterior(x0, z, ab_t, ab_s)
-                var = var_small if self.cfg.reverse_variance == "small" else 1 - ab_t / ab_s
-                z = mean + var**0.5 * randn()
-            elif sampler == "ddim":
-                sigma = eta * ((1 - ab_s) / (1 - ab_t) * (1 - ab_t / ab_s)) ** 0.5
-                z = ab_s**0.5 * x0 + (1 - ab_s - sigma**2) ** 0.5 * eps
-                if sigma > 0:
-                    z = z + sigma * randn()
-            elif sampler == "dpm++":
-                lam = lambda ab: 0.5 * math.log(ab / (1 - ab))  # noqa: E731  λ = log(α/σ)
-                h = lam(ab_s) - lam(ab_t)
-                D = x0 if x0_prev is None else (1 + h / (2 * h_prev)) * x0 - h / (2 * h_prev) * x0_prev
-                z = ((1 - ab_s) / (1 - ab_t)) ** 0.5 * z - ab_s**0.5 * math.expm1(-h) * D
-                x0_prev, h_prev = x0, h
-            else:
-                raise ValueError(f"unknown sampler '{sampler}'")
-        return z.clamp(-1, 1)
+            return self.predict_x0_eps(self.guided(model, z, tt, y, guidance), z, tt, threshold, percentile)
+
+        spec = SAMPLERS[sampler]
+        ts = self.timestep_sequence(steps, spacing=spec.spacing)
+        return spec.run(self, denoise, noise(), ts, noise, eta).clamp(-1, 1)
 
 
     @torch.no_grad()
@@ -692,195 +711,120 @@ def dynamic_threshold(x0, percentile=0.995):
     return torch.maximum(torch.minimum(x0, s), -s) / s
 
 
+
 # -----------------------------------------------------------------------------
-# FLOPs and MFU. FLOPs are counted, not estimated: torch.utils.flop_counter sees every
-# matmul, convolution and attention call (a multiply-add counts as 2 FLOPs).
-
-# Dense peak FLOP/s by precision, from the vendors' datasheets (no sparsity). 'fp32' is the
-# non-tensor-core rate, 'tf32' the tensor-core rate with fp32 inputs. Matched by name, in order.
-PEAK_FLOPS = [
-    ("H200", {"bf16": 989e12, "fp16": 989e12, "tf32": 494.7e12, "fp32": 66.9e12}),
-    ("H100 PCIe", {"bf16": 756e12, "fp16": 756e12, "tf32": 378e12, "fp32": 51.2e12}),
-    ("H100", {"bf16": 989e12, "fp16": 989e12, "tf32": 494.7e12, "fp32": 66.9e12}),  # SXM
-    ("A100", {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12}),
-    # SXM2; no bf16 and no TF32 ('tf32' is its plain fp32 rate), as on the T4 and P100
-    ("V100", {"fp16": 125e12, "tf32": 15.7e12, "fp32": 15.7e12}),
-    ("T4", {"fp16": 65e12, "tf32": 8.1e12, "fp32": 8.1e12}),
-    ("P100", {"fp16": 21.2e12, "tf32": 10.6e12, "fp32": 10.6e12}),  # SXM2
-]
+# The samplers. Each is one function of the same signature, registered in SAMPLERS by @sampler; the table
+# gives TrainerConfig.sampler and sample.py --sampler their choices and README.md its sampler table:
+#   run(d, denoise, z, ts, noise, eta) -> x̂₀
+# d: the Diffusion (its ᾱ_t, q_posterior, cfg); denoise(z_t, t) -> (x̂₀, ε̂) at an int timestep t; z: z_T;
+# ts: descending timesteps from the sampler's spacing; noise(): fresh N(0, I) draws of z's shape; eta: DDIM's
+# noise (the others ignore it). Adding a sampler is one function with @sampler.
 
 
-def datasheet_peak(device, precision):
-    """Datasheet peak FLOP/s of a CUDA device at `precision`, or None when the device is not in the table."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((peaks.get(precision) for key, peaks in PEAK_FLOPS if key in name), None)
+@dataclass(frozen=True)
+class Sampler:
+    run: typing.Callable   # run(d, denoise, z, ts, noise, eta) -> x̂₀
+    spacing: str           # its timesteps, as Diffusion.timestep_sequence spaces them: time, logsnr, karras
+    summary: str           # one line, for --help and README.md's table (the function's docstring's first)
 
 
-_matmul_cache = {}
+def sampler(name, spacing="time"):
+    """Register the decorated function in SAMPLERS under `name`."""
+    def register(run):
+        SAMPLERS[name] = Sampler(run, spacing, run.__doc__.strip().splitlines()[0])
+        return run
+    return register
 
 
-def measure_matmul_flops(device, dtype):
-    """The best FLOP/s of square matmuls in `dtype` on `device`: the practical peak MFU is measured against.
+def transitions(ts):
+    """(t, s) for each step of the descending timesteps ts; s = -1 on the last: the clean image, ᾱ = 1."""
+    return zip(ts, [*ts[1:], -1])
 
-    The size grows until one matmul takes >= 50 ms (or n = 8192), so slow paths stay quick to measure.
-    The best of two sweeps: on a shared machine one sweep can land in a slow spell (seen once on the CPU:
-    half the usual rate, which would have doubled every MFU figure of that run).
+
+@sampler("ddpm")
+def ddpm_ancestral(d, denoise, z, ts, noise, eta):
+    """Ancestral sampling (Ho et al. Algorithm 2); on fewer than T steps, the respaced chain (Nichol &
+    Dhariwal 2021 §4).
+
+    z_s = μ̃(x̂₀, z_t) + σ ε through the posterior of eq. 7 with x̂₀ plugged in (q_posterior, which also
+    serves s < t-1), and σ² = β_{t|s} ('large') or β̃ ('small': ModelConfig.reverse_variance).
     """
-    key = (str(device), dtype)
-    if key not in _matmul_cache:
-        _matmul_cache[key] = max(_time_matmuls(device, dtype) for _ in range(2))
-    return _matmul_cache[key]
+    ab = d.alpha_bar.tolist()  # python floats: the coefficients are computed in float64
+    for t, s in transitions(ts):
+        x0, eps = denoise(z, t)
+        if s < 0:
+            return x0
+        mean, var_small = d.q_posterior(x0, z, ab[t], ab[s])
+        var = var_small if d.cfg.reverse_variance == "small" else 1 - ab[t] / ab[s]
+        z = mean + var**0.5 * noise()
 
 
-def _time_matmuls(device, dtype):
-    g = torch.Generator(device).manual_seed(0)  # its own generator: measuring never moves the training RNG
-    n, best = 256, 0.0
-    while True:
-        a, b = (torch.randn(n, n, device=device, generator=g).to(dtype) for _ in range(2))
-        timer = StepTimer(device)
-        for _ in range(5):
-            timer.start()
-            a @ b
-            timer.stop()
-        sec = min(timer.read_ms()[1:]) / 1e3  # the first call is warm-up
-        best = max(best, 2 * n**3 / sec)
-        if sec >= 0.05 or n >= 8192:
-            return best
-        n *= 2
+@sampler("ddim")
+def ddim(d, denoise, z, ts, noise, eta):
+    """DDIM (Song et al. 2021 eq. 12); deterministic at eta = 0.
 
-
-def cpu_has_bf16():
-    """True where bf16 matmuls run on hardware (AVX512-BF16 or AMX); elsewhere they are emulated, ~100x
-    slower."""
-    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-
-
-def resolve_precision(precision, device):
-    """'auto' -> 'bf16' on CUDA devices with bf16 and on CPUs with AVX512-BF16/AMX; 'fp16' (with loss
-    scaling) on older GPUs (V100, T4, P100), whose fp16 tensor cores are their fast path; else 'fp32'."""
-    if precision != "auto":
-        return precision
-    if device.type == "cuda":
-        return "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16"
-    return "bf16" if device.type == "cpu" and cpu_has_bf16() else "fp32"
-
-
-def peak_flops(device, precision):
-    """-> (peak FLOP/s, where it came from). CUDA: the datasheet (measured when the device is unknown);
-    CPU: the measured matmul rate in the compute dtype."""
-    peak = datasheet_peak(device, precision)
-    if peak is not None:
-        return peak, f"datasheet {torch.cuda.get_device_name(device)} {precision}"
-    dtype = AUTOCAST_DTYPES.get(precision, torch.float32)
-    return measure_matmul_flops(device, dtype), f"measured {dtype} matmul on {device.type}"
-
-
-def train_flops_per_image(mc, attention="sdpa"):
-    """FLOPs of one training image, forward + backward, counted by torch.utils.flop_counter.
-
-    Counted on the meta device (no memory, no compute) at batch 1; every op in the UNet is
-    linear in the batch, so a step costs batch_size times this.
+    z_s = √ᾱ_s x̂₀ + √(1 - ᾱ_s - σ²) ε̂ + σ ε with σ = η √((1-ᾱ_s)/(1-ᾱ_t)) √(1 - ᾱ_t/ᾱ_s).
     """
-    return counted_flops(mc, attention, backward=True)
+    ab = d.alpha_bar.tolist()
+    for t, s in transitions(ts):
+        x0, eps = denoise(z, t)
+        if s < 0:
+            return x0
+        sigma = eta * ((1 - ab[s]) / (1 - ab[t]) * (1 - ab[t] / ab[s])) ** 0.5
+        z = ab[s] ** 0.5 * x0 + (1 - ab[s] - sigma**2) ** 0.5 * eps
+        if sigma > 0:
+            z = z + sigma * noise()
 
 
-def forward_flops_per_image(mc, attention="sdpa"):
-    """FLOPs of one network evaluation of one image (a sampler step), counted as train_flops_per_image."""
-    return counted_flops(mc, attention, backward=False)
+@sampler("dpm++", spacing="logsnr")
+def dpm_solver_pp_2m(d, denoise, z, ts, noise, eta):
+    """DPM-Solver++(2M) (Lu et al. 2022, Algorithm 2), on timesteps evenly spaced in λ.
 
-
-def counted_flops(mc, attention, backward):
-    from torch.utils.flop_counter import FlopCounterMode
-
-    with torch.device("meta"):
-        model = UNet(mc, attention=attention)
-        x = torch.zeros(1, mc.channels, mc.image_size, mc.image_size)
-        t = torch.zeros(1, dtype=torch.long)
-        y = torch.zeros(1, dtype=torch.long) if mc.num_classes > 0 else None
-    with FlopCounterMode(display=False) as counter:
-        out = model(x, t, y)
-        if backward:
-            out.sum().backward()
-    return counter.get_total_flops()
-
-
-def mfu(flops_per_step, step_seconds, peak):
-    """Model FLOPs utilisation = (FLOPs per step / seconds per step) / peak FLOP/s.
-
-    FLOPs per step = batch_size x train_flops_per_image (forward + backward, attention included).
+    With α = √ᾱ, σ = √(1-ᾱ), λ = log(α/σ) and h = λ_s - λ_t: z_s = (σ_s/σ_t) z_t - α_s (e^{-h} - 1) D, where
+    D = x̂₀ on the first step and (1 + 1/2r) x̂₀ - (1/2r) x̂₀_prev after, r = h_prev/h.
     """
-    return flops_per_step / step_seconds / peak
+    ab = d.alpha_bar.tolist()
+    lam = lambda a: 0.5 * math.log(a / (1 - a))  # noqa: E731  λ = log(α/σ)
+    x0_prev, h_prev = None, None
+    for t, s in transitions(ts):
+        x0, eps = denoise(z, t)
+        if s < 0:
+            return x0
+        h = lam(ab[s]) - lam(ab[t])
+        D = x0 if x0_prev is None else (1 + h / (2 * h_prev)) * x0 - h / (2 * h_prev) * x0_prev
+        z = ((1 - ab[s]) / (1 - ab[t])) ** 0.5 * z - ab[s] ** 0.5 * math.expm1(-h) * D
+        x0_prev, h_prev = x0, h
 
 
-class StepTimer:
-    """Times code between start() and stop() without syncing: CUDA events on a GPU,
-    perf_counter elsewhere (CPU ops are synchronous). read_ms() is the sync point."""
+@sampler("heun", spacing="karras")
+def heun(d, denoise, z, ts, noise, eta):
+    """Heun's 2nd-order ODE solver (Karras et al. 2022 Algorithm 1, no churn), 2 network calls a step.
 
-    def __init__(self, device):
-        self.cuda = torch.device(device).type == "cuda"
-        self.pending = []
+    In x = z/√ᾱ the DDPM process is x = x₀ + σ ε with σ(t) = √((1-ᾱ)/ᾱ), and the probability-flow ODE is
+    dx/dσ = (x - D(x; σ))/σ = ε̂. An Euler step to σ_s, then the trapezoid of ε̂ at both ends; the last
+    step, to σ = 0, is Euler's alone and lands on x̂₀.
+    """
+    ab = d.alpha_bar.tolist()
+    sigma = lambda t: ((1 - ab[t]) / ab[t]) ** 0.5  # noqa: E731
+    x = z / ab[ts[0]] ** 0.5
+    for t, s in transitions(ts):
+        x0, eps = denoise(ab[t] ** 0.5 * x, t)
+        if s < 0:
+            return x0
+        x_euler = x + (sigma(s) - sigma(t)) * eps                # Algorithm 1, lines 5-6
+        _, eps_s = denoise(ab[s] ** 0.5 * x_euler, s)            # lines 7-8: ε̂ at the Euler point
+        x = x + (sigma(s) - sigma(t)) * (eps + eps_s) / 2
 
-    def start(self):
-        if self.cuda:
-            self._start = torch.cuda.Event(enable_timing=True)
-            self._start.record()
-        else:
-            self._start = time.perf_counter()
-
-    def stop(self):
-        if self.cuda:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self.pending.append((self._start, end))
-        else:
-            self.pending.append((time.perf_counter() - self._start) * 1e3)
-
-    def read_ms(self):
-        """Milliseconds of every start/stop pair since the last read. Note: a CPU-GPU sync point."""
-        if self.cuda:
-            torch.cuda.synchronize()
-            out = [s.elapsed_time(e) for s, e in self.pending]
-        else:
-            out = self.pending
-        self.pending = []
-        return out
 
 
 # -----------------------------------------------------------------------------
-# One optimisation step: shared by the training loop and benchmark.py.
-
-
-AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # the precisions that run under autocast
+# 3. Building a run's objects, and one optimisation step: shared by train(), benchmark.py and the
+# comparison scripts, so that every speed figure measures what `python ddpm.py` trains.
 
 
 def autocast(device, precision):
-    return torch.autocast(device.type, dtype=AUTOCAST_DTYPES.get(precision, torch.float32),
-                          enabled=precision in AUTOCAST_DTYPES)
-
-
-def grad_scaler(device, precision):
-    """fp16 needs loss scaling (its range ends at 65504; small gradients underflow): torch.amp.GradScaler,
-    dynamic. None for the other precisions. Its state is part of the checkpoint."""
-    return torch.amp.GradScaler(device.type) if precision == "fp16" else None
-
-
-def keep_freed_memory():
-    """On a CPU with glibc: keep freed memory in the process. By default glibc hands large blocks back to the
-    OS (and trims the heap) as soon as they are freed, so every training step page-faults its activations
-    and gradients in afresh: ~77k minor faults per 'ho' step at batch 16 on 2 cores, ~400 with this; the
-    step measured 3% to 17% faster with it, depending on what else the process allocates (BENCHMARKS.md).
-    mmap threshold 32 MiB (glibc's largest), trim threshold 2 GiB. The process keeps its peak memory; blocks
-    over 32 MiB are still returned. Process-wide: -> whether it took effect (False off glibc)."""
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
-        return libc.mallopt(-3, 32 << 20) == 1 and libc.mallopt(-1, 2**31 - 1) == 1
-    except (OSError, AttributeError):
-        return False
+    return torch.autocast(device.type, dtype=mfu.AUTOCAST_DTYPES.get(precision, torch.float32),
+                          enabled=precision in mfu.AUTOCAST_DTYPES)
 
 
 def autocast_model(model, device, precision):
@@ -891,47 +835,46 @@ def autocast_model(model, device, precision):
     return net
 
 
-def set_matmul_precision(precision):
-    """'fp32' is true fp32 everywhere; the others let fp32 matmuls and convs use TF32 tensor cores."""
-    tf32 = precision != "fp32"
-    torch.backends.cuda.matmul.allow_tf32 = tf32
-    torch.backends.cudnn.allow_tf32 = tf32
+@dataclass
+class Built:
+    model: UNet                  # the weights being trained
+    ema: UNet                    # their exponential moving average (eval mode, no gradients)
+    diffusion: "Diffusion"       # the schedule and the maths, on the device
+    opt: torch.optim.Optimizer   # AdamW, fused where torch has the kernel
+    scaler: typing.Any           # fp16's dynamic loss scaler (torch.amp.GradScaler); None otherwise
+    forward: typing.Callable     # what the step calls: the model, DDP-wrapped under torchrun, compiled
+    precision: str               # tc.precision resolved for the device: bf16, fp16, tf32 or fp32
+    channels_last: bool          # tc.channels_last resolved: NHWC weights and batches
 
 
-def resolve_channels_last(channels_last, device, precision):
-    """'auto' -> NHWC, the layout tensor-core and oneDNN fp32 convolutions want, except for bf16 on a CPU:
-    there the convolutions run as fast in NCHW, and ATen's NHWC GroupNorm is ~6x slower than its NCHW one
-    (measured on an AVX512-BF16 CPU: the 'ho' step 5-10% faster in NCHW; BENCHMARKS.md)."""
-    if channels_last != "auto":
-        return channels_last == "true"
-    return not (device.type == "cpu" and precision == "bf16")
+def build(mc, tc, device, world=1):
+    """The model, its EMA, the optimizer, the loss scaler and the forward the step calls, from the configs.
 
+    'auto' settings resolve for the device (runs.resolve_*). compile: torch.compile in tc.compile_mode
+    ('max-autotune' searches kernel configurations, minutes more; 'reduce-overhead' replays the step as CUDA
+    graphs; the UNet has no graph breaks). Under torchrun (world > 1) the forward is DistributedDataParallel,
+    which all-reduces the gradients. Seed the global RNG first: the weights are drawn from it.
+    """
+    precision = runs.resolve_precision(tc.precision, device)
+    runs.set_matmul_precision(precision)
+    channels_last = runs.resolve_channels_last(tc.channels_last, device, precision)
+    model = UNet(mc, attention=tc.attention, activation_checkpointing=tc.activation_checkpointing)
+    model = model.to(device, memory_format=runs.memory_format(channels_last))
+    ema = copy.deepcopy(model).requires_grad_(False).eval()
+    # fused AdamW kernels exist for CUDA and the CPU since torch 2.4
+    opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, betas=(tc.adam_beta1, tc.adam_beta2),
+                            weight_decay=tc.weight_decay, fused=device.type in ("cuda", "cpu"))
+    # fp16 needs loss scaling (its range ends at 65504; small gradients underflow); part of the checkpoint
+    scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
+    forward = model
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel
 
-def memory_format(channels_last):
-    return torch.channels_last if channels_last else torch.contiguous_format
+        forward = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if runs.resolve_compile(tc.compile, device):
+        forward = torch.compile(forward, mode=None if tc.compile_mode == "default" else tc.compile_mode)
+    return Built(model, ema, Diffusion(mc).to(device), opt, scaler, forward, precision, channels_last)
 
-
-def resolve_compile(compile, device):
-    """'auto' -> compile on a GPU only. On a CPU, compiling the 'ho' step took 3.6 minutes on 2 AVX512-BF16
-    cores and the compiled step ran 0.89x eager's speed (and 0.96-0.98x in earlier runs; BENCHMARKS.md)."""
-    if compile != "auto":
-        return compile == "true"
-    return device.type == "cuda"
-
-
-def compiled(model, tc, device):
-    """torch.compile (where resolve_compile says so) in tc.compile_mode: 'max-autotune' searches kernel
-    configurations (minutes more to compile), 'reduce-overhead' replays the step's kernels as CUDA graphs.
-    Inductor fuses each GroupNorm with the SiLU after it. The UNet has no graph breaks (a test checks)."""
-    if not resolve_compile(tc.compile, device):
-        return model
-    return torch.compile(model, mode=None if tc.compile_mode == "default" else tc.compile_mode)
-
-
-def make_optimizer(model, tc, device):
-    fused = device.type in ("cuda", "cpu")  # fused AdamW kernels exist for both since torch 2.4
-    return torch.optim.AdamW(model.parameters(), lr=tc.lr, betas=(tc.adam_beta1, tc.adam_beta2),
-                             weight_decay=tc.weight_decay, fused=fused)
 
 
 def train_step(model, diffusion, opt, x0, y, precision, grad_clip, shard=(0, 1), channels_last=False,
@@ -949,7 +892,7 @@ def train_step(model, diffusion, opt, x0, y, precision, grad_clip, shard=(0, 1),
     # a new iteration for CUDA graphs (compile_mode reduce-overhead)
     torch.compiler.cudagraph_mark_step_begin()
     # a no-op where the loader's layout is the model's
-    x0 = x0.contiguous(memory_format=memory_format(channels_last))
+    x0 = x0.contiguous(memory_format=runs.memory_format(channels_last))
     backward = (lambda loss: scaler.scale(loss).backward()) if scaler else (lambda loss: loss.backward())
     if accum_steps == 1:
         with autocast(x0.device, precision):
@@ -1015,58 +958,10 @@ def ema_decay_at(step, tc):
     return min(tc.ema_decay, (1 + step) / (10 + step)) if tc.ema_warmup else tc.ema_decay
 
 
-# -----------------------------------------------------------------------------
-# The run folder: config.json, metrics.jsonl, sample grids, loss.png, ckpt.pt (resumable) and ema.pt (export)
-
-
-def environment(device):
-    def git(*args):
-        try:
-            return subprocess.run(["git", *args], cwd=os.path.dirname(os.path.abspath(__file__)),
-                                  capture_output=True, text=True, timeout=10).stdout.strip() or None
-        except (OSError, subprocess.SubprocessError):
-            return None
-
-    import numpy
-    import torchvision
-
-    return {
-        "git_hash": git("rev-parse", "HEAD"),
-        "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "torchvision": torchvision.__version__,
-        "numpy": numpy.__version__,
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
-        "cpu_threads": torch.get_num_threads(),
-        "cuda": torch.version.cuda,
-        "hostname": platform.node(),
-        "argv": sys.argv,
-    }
-
-
-def cpu_name():
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or "cpu"
-
-
-def load_checkpoint(path, device):
-    """torch.load with weights_only=True (a checkpoint can never run code); a bad file is one ConfigError
-    line."""
-    if not os.path.exists(path):
-        raise ConfigError(f"no checkpoint at {path}")
-    try:
-        return torch.load(path, map_location=device, weights_only=True)
-    except Exception as e:  # truncated, corrupt, or not a torch file
-        raise ConfigError(f"cannot read checkpoint {path} ({type(e).__name__}: {first_line(e)})") from None
-
 
 def load_ema(path, device):
     """-> (UNet with the EMA weights, ModelConfig, the run's TrainerConfig fields or {}), from a run's ckpt.pt
-    or ema.pt, or from a diffusers model or pipeline folder (diffusers_io). Raises ConfigError with one clear
+    or ema.pt, or from a diffusers model or pipeline folder (diffusers_io). Raises UserError with one clear
     line."""
     if diffusers_io.is_folder(path):
         try:
@@ -1077,292 +972,149 @@ def load_ema(path, device):
             diffusers_io.check(model, path)
             unet.load_diffusers_state_dict(model, state)
         except ValueError as e:
-            raise ConfigError(f"{path}: {e}") from None
+            raise UserError(f"{path}: {e}") from None
         for note in notes:
             print(f"note: {note}")
         return model.to(device).eval().requires_grad_(False), mc, {}
-    ckpt = load_checkpoint(path, device)
+    ckpt = runs.load_checkpoint(path, device)
     try:
         fields = {k: tuple(v) if isinstance(v, list) else v for k, v in ckpt["model_config"].items()}
         state = ckpt["ema"]
     except (KeyError, TypeError, AttributeError) as e:  # a torch file, but not one of ours
-        raise ConfigError(f"{path} is not a ddpm checkpoint (no {e})") from None
+        raise UserError(f"{path} is not a ddpm checkpoint (no {e})") from None
     try:
         mc = ModelConfig(**fields)
         model = UNet(mc).to(device)
         model.load_state_dict(state)
     except (TypeError, RuntimeError) as e:
-        first = first_line(e)
-        raise ConfigError(f"{path}: its weights do not match its model config ({first})") from None
+        raise UserError(f"{path}: its weights do not match its model config ({first_line(e)})") from None
     return model.eval().requires_grad_(False), mc, ckpt.get("trainer_config", {})
 
 
-def atomic_save(obj, path, keep_previous=False):
-    """torch.save to a temporary file, fsync, rename: a crash mid-write never leaves a broken `path`.
-    keep_previous: the file it replaces survives as *.prev.pt. A failed write (a full disk) removes the
-    temporary file, leaves `path` as it was, and raises TrainingError."""
-    tmp = f"{path}.tmp"
-    try:
-        torch.save(obj, tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-    except (OSError, RuntimeError) as e:  # torch.save reports some write failures as RuntimeError
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else first_line(e)
-        raise TrainingError(f"could not write {path} ({reason}); the previous checkpoint is intact") from None
-    if keep_previous and os.path.exists(path):
-        os.replace(path, previous_path(path))
-    os.replace(tmp, path)
-
-
-def save_grid(images, path):
-    """images in [-1, 1], (B, C, H, W) -> a square PNG grid; small images are enlarged to be visible."""
-    import torchvision
-
-    x = (images.float() + 1) / 2
-    if x.shape[-1] < 64:
-        x = F.interpolate(x, scale_factor=64 // x.shape[-1], mode="nearest")
-    torchvision.utils.save_image(x, path, nrow=math.ceil(math.sqrt(len(x))), padding=2)
-
-
-def plot_losses(metrics_path, png_path):
-    try:
-        import matplotlib
-    except ImportError:  # a bare machine (e.g. a lent GPU box) may lack it: no plot, said once
-        if not getattr(plot_losses, "warned", False):
-            print("note: matplotlib is not installed; loss.png is not drawn (metrics.jsonl has the numbers)")
-            plot_losses.warned = True
-        return
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [r for r in map(json.loads, open(metrics_path)) if "loss" in r]  # not the evaluation rows
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="loss")
-    for q in range(4):
-        ax.plot([r["step"] for r in rows], [r[f"loss_q{q}"] for r in rows], lw=0.8, alpha=0.7,
-                label=f"t quartile {q}")
-    ax.set(xlabel="step", ylabel="loss", yscale="log", title="training loss")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=100)
-    plt.close(fig)
-
-
-def resolve_device(name):
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ConfigError(f"--device={name}: not a device name") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"--device={name}: no CUDA device is available")
-    try:  # any other missing device (mps on a machine without it, cuda:7 of 1 GPU) fails here, not mid-run
-        torch.empty(1, device=device)
-    except (RuntimeError, AssertionError, ValueError) as e:
-        raise ConfigError(f"--device={name}: not available here ({first_line(e)})") from None
-    return device
-
-
 # -----------------------------------------------------------------------------
-# Scale-out and survival: torchrun/DDP, checkpoints that are never lost, preemption
+# 4. Training
 
 
-class TrainingError(Exception):
-    """A run that cannot go on (a checkpoint that cannot be written, a loss that stays non-finite)."""
+@dataclass
+class Run:  # what train() sets up before its loop
+    rank: int                    # this process under torchrun (0 alone writes the run folder and prints)
+    world: int                   # processes under torchrun; 1 without
+    device: torch.device
+    out_dir: str                 # the run folder
+    loader: typing.Any           # data.Loader: next() -> (x0, y) of this rank's batch
+    built: Built                 # model, EMA, optimizer, forward (build)
+    step: int                    # the step to start from: 0, or the checkpoint's on --resume
+    skipped: int                 # non-finite steps skipped over the whole run before this start
+    evaluator: typing.Any        # evaluate.TrainingEval, or None when eval_every_steps = 0
+    flops_per_step: int          # counted training FLOPs of one global batch
+    peak: float                  # peak FLOP/s of one device at the run's precision
+    peak_source: str             # where that peak came from (datasheet, or measured)
 
 
-def distributed_setup(tc):
-    """-> (rank, world, device). Under torchrun (WORLD_SIZE > 1) this process joins the group, NCCL
-    between GPUs (one per process: LOCAL_RANK) and gloo between CPU processes."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    device = resolve_device(tc.device)
-    if world == 1:
-        return 0, 1, device
-    if tc.batch_size % world:
-        raise ConfigError(f"batch_size {tc.batch_size} does not divide by the {world} processes "
-                          "(it is the global batch, split evenly across them)")
-    if tc.batch_size // world % tc.grad_accum_steps:
-        raise ConfigError(f"each process's batch of {tc.batch_size // world} does not divide into "
-                          f"grad_accum_steps={tc.grad_accum_steps} micro-batches")
-    import torch.distributed as dist
-
-    rank = int(os.environ["RANK"])
-    if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return rank, world, device
-
-
-def gather_rows(x, rank, world):
-    """Rows rank::world of a tensor from every rank -> the whole tensor in the original order (CPU)."""
-    if world == 1:
-        return x.cpu()
-    parts = [None] * world
-    torch.distributed.all_gather_object(parts, x.cpu())
-    out = torch.empty((sum(map(len, parts)), *x.shape[1:]), dtype=x.dtype)
-    for r, p in enumerate(parts):
-        out[r::world] = p
-    return out
-
-
-class Preemption:
-    """SIGTERM or SIGINT asks the run to stop: the current step finishes, a checkpoint is written, and
-    train() returns. Under DDP the ranks agree through an asynchronous all-reduce on a gloo group
-    (host memory: no GPU sync), read one step later, so all of them stop after the same step."""
-
-    def __init__(self, world):
-        self.signal, self.work, self.previous = None, None, {}
-        # Python delivers signals to the main thread only
-        if threading.current_thread() is threading.main_thread():
-            self.previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
-        self.group = torch.distributed.new_group(backend="gloo") if world > 1 else None
-
-    def _handle(self, signum, frame):
-        if signum == signal.SIGINT and self.signal == "SIGINT":
-            raise KeyboardInterrupt  # a second Ctrl-C: stop now, without the checkpoint
-        self.signal = signal.Signals(signum).name
-
-    def requested(self):
-        if self.group is None:
-            return self.signal is not None
-        agreed = False
-        if self.work is not None:
-            self.work.wait()
-            agreed = bool(self.flag.item())
-        self.flag = torch.tensor([float(self.signal is not None)])
-        self.work = torch.distributed.all_reduce(self.flag, op=torch.distributed.ReduceOp.MAX,
-                                                 group=self.group, async_op=True)
-        if agreed and self.signal is None:
-            self.signal = "a signal to another rank"
-        return agreed
-
-    def close(self):
-        if self.work is not None:
-            self.work.wait()
-        for s, handler in self.previous.items():
-            signal.signal(s, handler)
-
-
-def previous_path(path):
-    """ckpt.pt -> ckpt.prev.pt, in the same folder, whatever the folder is called."""
-    root, ext = os.path.splitext(path)
-    return root + ".prev" + ext
-
-
-HELD_LOCKS = set()  # the tokens of the run-folder locks this process holds
-
-
-def lock_run_folder(out_dir):
-    """One run per folder: out_dir/run.lock names its owner's host and pid, and a second run is refused in one
-    line. A lock left by a run that is gone (same host and that pid no longer alive, or this process's own
-    from a run that already ended) is stale and taken over. -> (path, token) for unlock_run_folder."""
-    path = os.path.join(out_dir, "run.lock")
-    me = {"host": platform.node(), "pid": os.getpid(), "token": os.urandom(8).hex(),
-          "since": time.strftime("%Y-%m-%d %H:%M:%S")}
-    for _ in range(3):
+def set_up(mc, tc, preset):
+    """Everything before the loop: the device and torchrun, the run folder, the data, the model and its
+    state (fresh, warm-started with init_from, or resumed), the evaluator and the FLOP counts."""
+    validate(mc, tc)  # as parse_args does, for configs built in Python
+    rank, world, device = runs.distributed_setup(tc)
+    say = print if rank == 0 else (lambda *args, **kwargs: None)
+    out_dir = runs.prepare_run_folder(tc.out_dir, preset, tc.resume, world)
+    loader, data_classes = make_loader(tc.loader, tc.dataset, tc.data_dir, mc.image_size,
+                                       tc.batch_size // world, tc.seed, device, hflip=tc.hflip,
+                                       with_labels=mc.num_classes > 0, shapes_count=tc.shapes_count,
+                                       beton_dir=tc.beton_dir, num_workers=tc.num_workers)
+    if mc.num_classes > 0 and mc.num_classes != data_classes:
+        raise UserError(f"num_classes={mc.num_classes}, but dataset '{tc.dataset}' has {data_classes} classes")
+    torch.manual_seed(tc.seed)  # after the data set-up, whose libraries may draw from the global RNG
+    runs.set_up_cpu(device, tc.cpu_threads, say)
+    b = build(mc, tc, device, world)
+    runs.device_notes(device, b.precision, runs.resolve_compile(tc.compile, device), say)
+    step, skipped = 0, 0
+    if tc.init_from and not tc.resume:  # warm start, e.g. one expert from the other's checkpoint
+        src, src_mc, _ = load_ema(tc.init_from, device)  # the averaged weights are the better starting point
         try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
-            try:
-                with open(path) as f:
-                    owner = json.load(f)
-            except (OSError, ValueError):  # being written this instant, or garbage: live if fresh
-                fresh = time.time() - os.path.getmtime(path) < 10 if os.path.exists(path) else False
-                owner = {"host": "?", "pid": "?"} if fresh else {"host": me["host"], "pid": -1}
-            if not (owner.get("host") == me["host"]
-                    and not process_alive(owner.get("pid"), owner.get("token"))):
-                raise ConfigError(f"{out_dir} is in use by another run "
-                                  f"(pid {owner.get('pid')} on {owner.get('host')}, "
-                                  f"since {owner.get('since', '?')}); if that run has ended, delete {path}")
-            print(f"note: taking over the stale lock of pid {owner.get('pid')}, which has ended")
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(path)
-            continue
-        with os.fdopen(fd, "w") as f:
-            json.dump(me, f)
-        HELD_LOCKS.add(me["token"])
-        return path, me["token"]
-    raise ConfigError(f"could not take the lock {path}")
+            b.model.load_state_dict(src.state_dict())
+            b.ema.load_state_dict(src.state_dict())
+        except RuntimeError as e:
+            raise UserError(f"--init_from {tc.init_from}: weights do not fit this model ({first_line(e)})") from None
+        differ = [f"{k}={v!r}" for k, v in asdict(src_mc).items() if getattr(mc, k) != v]
+        say(f"initialised from {tc.init_from}" + (f" (a model with {', '.join(differ)})" if differ else ""))
+    if tc.resume:
+        ckpt, path = runs.load_resume_checkpoint(out_dir, device)
+        step = runs.restore(ckpt, path, mc, b.model, b.ema, b.opt, loader, world, b.scaler)
+        skipped = ckpt.get("nonfinite_skipped", 0)
+        say(f"resumed {out_dir} from {os.path.basename(path)} at step {step}")
+    # built now: missing Inception weights or data fail before training, not hours in
+    evaluator = evaluate.TrainingEval(mc, tc, b.diffusion, device) if tc.eval_every_steps else None
+    peak, peak_source = mfu.peak_flops(device, b.precision)
+    return Run(rank, world, device, out_dir, loader, b, step, skipped, evaluator,
+               mfu.train_flops_per_image(mc, tc.attention) * tc.batch_size, peak, peak_source)
 
 
-def process_alive(pid, token):
-    if pid == os.getpid():  # this process: alive, but the lock is stale unless a run in it still holds it
-        return token in HELD_LOCKS
-    try:
-        os.kill(int(pid), 0)
-    except (ProcessLookupError, ValueError, TypeError, OverflowError):
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
+def record(run, mc, tc, preset):
+    """config.json: both configs, what 'auto' resolved to, the environment; and the run's one-line summary."""
+    b, n_params = run.built, sum(p.numel() for p in run.built.model.parameters())
+    resolved = {"out_dir": run.out_dir, "device": str(run.device), "world_size": run.world,
+                "precision": b.precision, "channels_last": b.channels_last,
+                "compile": runs.resolve_compile(tc.compile, run.device), "parameters": n_params,
+                "train_flops_per_image": run.flops_per_step // tc.batch_size,
+                "peak_flops_per_device": run.peak, "peak_source": run.peak_source,
+                "dataset_images": run.loader.n, "loader": type(run.loader).__name__}
+    info = {"preset": preset, "model": asdict(mc), "trainer": asdict(tc), "resolved": resolved,
+            "environment": runs.environment(run.device)}
+    runs.write_json(os.path.join(run.out_dir, f"config-resume-{run.step}.json" if tc.resume else "config.json"),
+                    info)
+    print(f"{run.out_dir}: {n_params / 1e6:.2f}M parameters, {run.loader.n} images "
+          f"({type(run.loader).__name__}), {run.world} x {run.device} {b.precision} "
+          f"{'NHWC' if b.channels_last else 'NCHW'}, {run.flops_per_step / tc.batch_size / 1e9:.3g} GFLOP/image "
+          f"fwd+bwd counted, MFU against {run.peak / 1e12:.3g} TFLOP/s per device ({run.peak_source})")
 
 
-def unlock_run_folder(lock):
-    if lock is None:
-        return
-    path, token = lock
-    HELD_LOCKS.discard(token)
-    with contextlib.suppress(OSError, ValueError):
-        with open(path) as f:
-            mine = json.load(f).get("token") == token
-        if mine:
-            os.remove(path)
+def log_interval(run, tc, step, lr, tally, grad_norm, step_times_ms, t_start):
+    """The metrics.jsonl row of the log interval ending at `step`, written by rank 0 (a host sync: the
+    interval's only one); under DDP the loss sums are all-reduced, and every rank skipped the same steps.
+    Stops the run once max_nonfinite_steps steps in a row were skipped."""
+    t = tally.read(run.world)
+    step_ms = statistics.median(step_times_ms or [float("nan")])
+    row = {"step": step, "loss": t["loss"], "lr": lr, **{f"loss_q{q}": t["loss_q"][q] for q in range(4)},
+           "grad_norm": grad_norm.item(), "nonfinite_skipped": t["skipped"], "step_ms": step_ms,
+           "img_per_s": tc.batch_size / step_ms * 1e3, "tflops": run.flops_per_step / step_ms / 1e9,
+           "mfu": mfu.mfu(run.flops_per_step, step_ms / 1e3, run.peak * run.world),
+           "kimg": step * tc.batch_size / 1e3, "wall_s": time.time() - t_start}
+    row = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+    if run.rank == 0:
+        runs.append_metrics(run.out_dir, row)
+    run.skipped += t["skipped"]
+    if t["longest_run"] >= tc.max_nonfinite_steps:
+        raise UserError(f"{t['longest_run']} consecutive steps had a non-finite loss or gradient (up to step "
+                        f"{step}), all skipped; stopping. The checkpoints in {run.out_dir} hold finite weights "
+                        "from before them: lower --lr or check the data, then --resume", RUN_STOPPED)
+    return row
 
 
-def load_resume_checkpoint(out_dir, device):
-    """The newest readable of ckpt.pt and ckpt.prev.pt; a corrupt or missing newest one is said in one
-    line."""
-    path = os.path.join(out_dir, "ckpt.pt")
-    try:
-        return load_checkpoint(path, device), path
-    except ConfigError as e:
-        prev = previous_path(path)
-        if not os.path.exists(prev):
-            raise
-        print(f"warning: {e}; resuming from the previous checkpoint {prev}")
-        return load_checkpoint(prev, device), prev
+def progress(row):
+    """The progress bar's postfix for a metrics row."""
+    if row["loss"] is None:
+        return ""
+    if row["img_per_s"] is None:
+        return f"loss {row['loss']:.4f}"
+    return (f"loss {row['loss']:.4f} | {row['img_per_s']:.0f} img/s | {row['tflops']:.3f} TFLOP/s | "
+            f"MFU {100 * row['mfu']:.1f}%")
 
 
-def restore(ckpt, path, mc, model, ema, opt, loader, world, scaler=None):
-    """Load a resumable checkpoint into the run's objects: weights, EMA, optimizer, data position, RNG
-    states. -> its step. A checkpoint of a different model is one ConfigError line."""
-    try:
-        saved = ckpt["model_config"]
-        as_list = lambda v: list(v) if isinstance(v, (tuple, list)) else v  # noqa: E731
-        changed = [k for k, v in asdict(mc).items() if as_list(saved.get(k)) != as_list(v)]
-        states = (ckpt["model"], ckpt["ema"], ckpt["optimizer"], dict(ckpt["loader"]), ckpt["rng"],
-                  ckpt["step"])
-    except (KeyError, TypeError, AttributeError) as e:
-        raise ConfigError(f"{path} is not a resumable ddpm checkpoint (no {e})") from None
-    if changed:
-        raise ConfigError(f"--resume: the model config differs from the checkpoint's in {', '.join(changed)}")
-    model_state, ema_state, opt_state, position, rng, step = states
-    model.load_state_dict(model_state)
-    ema.load_state_dict(ema_state)
-    opt.load_state_dict(opt_state)
-    # fp16's loss scale goes on where it was: resume stays bitwise
-    if scaler is not None and ckpt.get("scaler"):
-        scaler.load_state_dict(ckpt["scaler"])
-    saved_world = ckpt.get("world_size", 1)
-    if saved_world != world:  # the position counts per-rank images: keep the same place in the epoch
-        per_rank = position["index"] * saved_world // world
-        position["index"] = per_rank - per_rank % loader.batch_size
-        print(f"note: resuming {saved_world}-process training with {world}: the same epoch and place in it, "
-              "but not bitwise the run it would have been")
-    loader.load_state_dict(position)
-    torch.set_rng_state(rng["torch"])
-    if torch.cuda.is_available() and rng["cuda"]:
-        torch.cuda.set_rng_state_all(rng["cuda"])
-    return step
-
-
-# -----------------------------------------------------------------------------
-# Training
+def save_samples(run, mc, tc, step):
+    """An EMA sample grid: each rank draws its share, rank 0 saves it (and redraws loss.png)."""
+    b, rank, world = run.built, run.rank, run.world
+    mine = torch.arange(rank, tc.num_samples, world)
+    y = (mine % mc.num_classes).to(run.device) if mc.num_classes > 0 else None
+    g = torch.Generator().manual_seed(tc.seed + rank)  # the same noise every time: comparable grids
+    x = b.diffusion.sample(autocast_model(b.ema, run.device, b.precision),
+                           (len(mine), mc.channels, mc.image_size, mc.image_size), sampler=tc.sampler,
+                           steps=tc.sample_steps or None, y=y, guidance=tc.guidance, threshold=tc.threshold,
+                           generator=g)
+    x = runs.gather_rows(x, rank, world)
+    if rank == 0:
+        runs.save_grid(x, os.path.join(run.out_dir, f"samples_{step:07d}.png"))
+        runs.plot_losses(run.out_dir)
 
 
 def due(every, step):
@@ -1370,214 +1122,42 @@ def due(every, step):
     return every > 0 and step % every == 0
 
 
-class Tally:
-    """One log interval's loss sums and skipped steps, accumulated on the device: no host sync per step."""
-
-    def __init__(self, device):
-        # [loss, steps, 4 x loss per t quartile, 4 x samples per quartile]
-        self.sums = torch.zeros(10, device=device)
-        self.loss, self.steps, self.q_loss, self.q_count = (self.sums[0], self.sums[1], self.sums[2:6],
-                                                            self.sums[6:10])
-        self.skipped = torch.zeros((), device=device)  # steps skipped in this interval
-        self.run = torch.zeros((), device=device)  # the current run of skipped steps
-        self.longest = torch.zeros((), device=device)  # the longest run in this interval
-
-    def add(self, loss, losses, quartile, ok):
-        good = ok > 0  # torch.where, not x * ok: a skipped step's NaN x 0 would still be NaN
-        self.loss += torch.where(good, loss, 0.0)
-        self.steps += ok
-        self.q_loss.index_add_(0, quartile, torch.where(good, losses, 0.0))
-        self.q_count.index_add_(0, quartile, torch.ones_like(losses) * ok)
-        self.skipped += 1 - ok
-        self.run.mul_(1 - ok).add_(1 - ok)  # +1 on a skip, back to 0 on an applied step
-        torch.maximum(self.longest, self.run, out=self.longest)
-
-    def read(self, world):
-        """-> the interval's means and counts (a host sync), and starts the next interval. The longest run of
-        skips carries over: a run that spans two intervals is counted whole."""
-        if world > 1:
-            torch.distributed.all_reduce(self.sums)
-        s, skipped, longest = self.sums.tolist(), int(self.skipped.item()), int(self.longest.item())
-        out = {"loss": s[0] / s[1] if s[1] else None, "skipped": skipped, "longest_run": longest,
-               "loss_q": [s[2 + q] / s[6 + q] if s[6 + q] else None for q in range(4)]}
-        self.sums.zero_()
-        self.skipped.zero_()
-        self.longest.copy_(self.run)
-        return out
-
-
 def train(mc, tc, preset="custom"):
     """Train from scratch or resume; returns the run folder. Fixed sections each step:
-    LR -> samples/checkpoint/eval -> forward/backward/step -> EMA -> timing/log -> stop requests.
+    LR -> checkpoint/samples/eval -> forward/backward/step -> EMA -> timing/log -> stop requests.
     Under torchrun every rank runs this; rank 0 alone writes the run folder."""
-    # ---- setup
-    validate(mc, tc)  # as parse_args does, for configs built in Python
-    rank, world, device = distributed_setup(tc)
-    lead = rank == 0  # rank 0 writes the run folder and prints
-    say = print if lead else (lambda *args, **kwargs: None)
-    precision = resolve_precision(tc.precision, device)
-    if lead and precision == "bf16" and device.type == "cpu" and not cpu_has_bf16():
-        print("warning: this CPU has no AVX512-BF16/AMX; bf16 will run far slower than --precision=fp32")
-    if lead and precision == "fp16" and device.type == "cpu":
-        print("note: fp16 on a CPU runs for testing the loss-scaling path; it is not faster than fp32 there")
-    if lead and resolve_compile(tc.compile, device) and device.type == "cpu":
-        print("note: torch.compile takes minutes on a CPU and measured no faster than eager there "
-              "(BENCHMARKS.md); --compile=auto or false skips it")
-    set_matmul_precision(precision)
-    out_dir = tc.out_dir or os.path.join("runs", f"{preset}-{time.strftime('%Y%m%d-%H%M%S')}")
-    ckpt_path = os.path.join(out_dir, "ckpt.pt")
-    have_ckpt = os.path.exists(ckpt_path) or os.path.exists(previous_path(ckpt_path))
-    if tc.resume and not have_ckpt:
-        raise ConfigError(f"--resume: no checkpoint at {ckpt_path}")
-    if not tc.resume and have_ckpt:
-        raise ConfigError(f"{out_dir} already holds a checkpoint: pass --resume to continue it, "
-                          "or choose another --out_dir")
-    if world > 1 and not tc.out_dir:
-        raise ConfigError("under torchrun, give --out_dir (every rank must name the same run folder)")
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-    except OSError as e:  # a path through a file, a read-only place
-        raise ConfigError(f"--out_dir={out_dir}: cannot make it ({e.strerror or e})") from None
-
-    loader, data_classes = make_loader(tc.loader, tc.dataset, tc.data_dir, mc.image_size,
-                                       tc.batch_size // world, tc.seed, device, hflip=tc.hflip,
-                                       with_labels=mc.num_classes > 0, shapes_count=tc.shapes_count,
-                                       beton_dir=tc.beton_dir, num_workers=tc.num_workers)
-    if mc.num_classes > 0 and mc.num_classes != data_classes:
-        raise ConfigError(f"num_classes={mc.num_classes}, but dataset '{tc.dataset}' has "
-                          f"{data_classes} classes")
-
-    # after the data set-up, whose libraries may draw from the global RNG; same on every rank
-    torch.manual_seed(tc.seed)
-    if device.type == "cpu" and tc.cpu_threads:
-        torch.set_num_threads(tc.cpu_threads)
-    if device.type == "cpu" and not keep_freed_memory():
-        say("note: not glibc: freed memory goes back to the OS, and each CPU step page-faults it in again")
-    channels_last = resolve_channels_last(tc.channels_last, device, precision)
-    model = UNet(mc, attention=tc.attention, activation_checkpointing=tc.activation_checkpointing)
-    model = model.to(device, memory_format=memory_format(channels_last))
-    ema = copy.deepcopy(model).requires_grad_(False).eval()
-    diffusion = Diffusion(mc).to(device)
-    opt = make_optimizer(model, tc, device)
-    scaler = grad_scaler(device, precision)  # fp16 only
-    step = 0
-    if tc.init_from and not tc.resume:  # warm start, e.g. one expert from the other's checkpoint
-        src, src_mc, _ = load_ema(tc.init_from, device)  # the averaged weights are the better starting point
-        try:
-            model.load_state_dict(src.state_dict())
-            ema.load_state_dict(src.state_dict())
-        except RuntimeError as e:
-            raise ConfigError(f"--init_from {tc.init_from}: weights do not fit this model "
-                              f"({first_line(e)})") from None
-        differ = [f"{k}={v!r}" for k, v in asdict(src_mc).items() if getattr(mc, k) != v]
-        say(f"initialised from {tc.init_from}" + (f" (a model with {', '.join(differ)})" if differ else ""))
-    if tc.resume:
-        ckpt, path = load_resume_checkpoint(out_dir, device)
-        step = restore(ckpt, path, mc, model, ema, opt, loader, world, scaler)
-        say(f"resumed {out_dir} from {os.path.basename(path)} at step {step}")
-    net = model
-    if world > 1:
-        from torch.nn.parallel import DistributedDataParallel
-
-        net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    forward = compiled(net, tc, device)
-    evaluator = None
-    if tc.eval_every_steps:  # built now: missing Inception weights or data fail before training, not hours in
-        try:
-            evaluator = evaluate.TrainingEval(mc, tc, diffusion, device)
-        except evaluate.EvalError as e:
-            raise ConfigError(str(e)) from None
-
-    flops_per_step = train_flops_per_image(mc, tc.attention) * tc.batch_size
-    peak, peak_source = peak_flops(device, precision)
-    n_params = sum(p.numel() for p in model.parameters())
-
-    # ---- the run's state, then what it does at intervals
     from tqdm import tqdm
 
-    metrics_path = os.path.join(out_dir, "metrics.jsonl")
-    timer = StepTimer(device)
-    # the first steps after (re)start (compilation, allocator warm-up) stay off the clock
-    timing_warmup = step + 5
-    tally = Tally(device)  # the log interval's loss sums and skipped steps, on the device
-    # over the whole run, up to this interval
-    skipped_total = ckpt.get("nonfinite_skipped", 0) if tc.resume else 0
+    run = set_up(mc, tc, preset)
+    b, step, lead = run.built, run.step, run.rank == 0
+    say = print if lead else (lambda *args, **kwargs: None)
+    timer = mfu.StepTimer(run.device)
+    timing_warmup = step + 5  # the first steps after (re)start (compilation, allocator warm-up): off the clock
+    tally = runs.Tally(run.device)  # the log interval's loss sums and skipped steps, on the device
     start_step, t_start = step, time.time()
 
-    def save_samples(step):
-        """Each rank draws its share of the grid, rank 0 saves it: no rank idles while another samples."""
-        mine = torch.arange(rank, tc.num_samples, world)
-        y = (mine % mc.num_classes).to(device) if mc.num_classes > 0 else None
-        # the same noise every time: grids are comparable across steps
-        g = torch.Generator().manual_seed(tc.seed + rank)
-        x = diffusion.sample(autocast_model(ema, device, precision),
-                             (len(mine), mc.channels, mc.image_size, mc.image_size),
-                             sampler=tc.sampler, steps=tc.sample_steps or None, y=y, guidance=tc.guidance,
-                             threshold=tc.threshold, generator=g)
-        x = gather_rows(x, rank, world)
+    def save_checkpoint(step):  # rank 0 alone: the other ranks hold the same state
         if lead:
-            save_grid(x, os.path.join(out_dir, f"samples_{step:07d}.png"))
-            if os.path.exists(metrics_path):  # not before the first log line
-                plot_losses(metrics_path, os.path.join(out_dir, "loss.png"))
+            runs.save_checkpoints(run.out_dir, step, b.model, b.ema, mc, tc, optimizer=b.opt.state_dict(),
+                                  scaler=b.scaler.state_dict() if b.scaler else None, world_size=run.world,
+                                  loader=run.loader.state_dict(),
+                                  nonfinite_skipped=run.skipped + int(tally.skipped.item()))
 
-    def save_checkpoint(step):
-        if not lead:  # written once; the other ranks hold the same state
-            return
-        finite = torch.stack([torch.isfinite(p).all()
-                              for p in [*model.parameters(), *ema.parameters()]]).all()
-        # a sync, once per checkpoint; a finite step can still overflow the weights (huge lr)
-        if not finite.item():
-            raise TrainingError(f"the weights are no longer finite at step {step}; "
-                                f"{ckpt_path} is left as it was (lower --lr, then --resume)")
-        rng = {"torch": torch.get_rng_state(),
-               "cuda": torch.cuda.get_rng_state_all() if device.type == "cuda" else []}
-        state = {"model": model.state_dict(), "ema": ema.state_dict(), "optimizer": opt.state_dict(),
-                 "scaler": scaler.state_dict() if scaler else None,
-                 "loader": loader.state_dict(), "world_size": world, "step": step, "rng": rng,
-                 "nonfinite_skipped": skipped_total + int(tally.skipped.item()),
-                 "model_config": asdict(mc), "trainer_config": asdict(tc)}
-        atomic_save(state, ckpt_path, keep_previous=True)  # the one before survives as ckpt.prev.pt
-        atomic_save({"ema": ema.state_dict(), "model_config": asdict(mc), "trainer_config": asdict(tc),
-                     "step": step}, os.path.join(out_dir, "ema.pt"))
-
-    def log(row):
-        if lead:
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(row) + "\n")
-
-    # ---- the loop
-    lock = lock_run_folder(out_dir) if lead else None  # one run per folder: a second one is refused here
-    preempt = Preemption(world)
+    lock = runs.lock_run_folder(run.out_dir) if lead else None  # one run per folder: a second is refused
+    preempt = runs.Preemption(run.world)
     pbar = tqdm(total=tc.max_steps, initial=step, dynamic_ncols=True, desc="train", disable=not lead)
     try:
         if lead:
-            info = {
-                "preset": preset, "model": asdict(mc), "trainer": asdict(tc),
-                "resolved": {"out_dir": out_dir, "device": str(device), "world_size": world,
-                             "precision": precision, "channels_last": channels_last,
-                             "compile": resolve_compile(tc.compile, device), "parameters": n_params,
-                             "train_flops_per_image": flops_per_step // tc.batch_size,
-                             "peak_flops_per_device": peak, "peak_source": peak_source,
-                             "dataset_images": loader.n, "loader": type(loader).__name__},
-                "environment": environment(device),
-            }
-            with open(os.path.join(out_dir, "config.json" if not tc.resume else f"config-resume-{step}.json"),
-                      "w") as f:
-                json.dump(info, f, indent=2)
-            print(f"{out_dir}: {n_params / 1e6:.2f}M parameters, {loader.n} images "
-                  f"({type(loader).__name__}), "
-                  f"{world} x {device} {precision} {'NHWC' if channels_last else 'NCHW'}, "
-                  f"{flops_per_step / tc.batch_size / 1e9:.3g} GFLOP/image fwd+bwd counted, "
-                  f"MFU against {peak / 1e12:.3g} TFLOP/s per device ({peak_source})")
+            record(run, mc, tc, preset)
         if step >= tc.max_steps:
-            say(f"note: {out_dir} is at step {step}, which is --max_steps={tc.max_steps} or past it: "
+            say(f"note: {run.out_dir} is at step {step}, which is --max_steps={tc.max_steps} or past it: "
                 "nothing to train")
         while True:
             last_step = step >= tc.max_steps
 
             # 1. learning rate
             lr = lr_at(step, tc)
-            for g in opt.param_groups:
+            for g in b.opt.param_groups:
                 g["lr"] = lr
 
             # 2. checkpoint, sample grid, evaluation (off the clock; the checkpoint first, so that a failure
@@ -1585,82 +1165,56 @@ def train(mc, tc, preset="custom"):
             if step > start_step and (last_step or due(tc.ckpt_every_steps, step)):
                 save_checkpoint(step)
             if step > start_step and tc.num_samples and (last_step or due(tc.sample_every_steps, step)):
-                save_samples(step)
-            if evaluator and step > start_step and (last_step or due(tc.eval_every_steps, step)):
-                row = {"step": step, **evaluator(autocast_model(ema, device, precision), ema)}
-                log(row)
-                say(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                               for k, v in row.items()))
+                save_samples(run, mc, tc, step)
+            if run.evaluator and step > start_step and (last_step or due(tc.eval_every_steps, step)):
+                row = {"step": step, **run.evaluator(autocast_model(b.ema, run.device, b.precision), b.ema)}
+                if lead:
+                    runs.append_metrics(run.out_dir, row)
+                say(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
             if last_step:
                 break
 
             # 3. forward / backward / step (skipped if anything is non-finite)
             if step >= timing_warmup:
                 timer.start()
-            x0, y = loader.next()
-            loss, grad_norm, ok = train_step(forward, diffusion, opt, x0, y, precision, tc.grad_clip,
-                                             (rank, world), channels_last, tc.grad_accum_steps, scaler)
+            x0, y = run.loader.next()
+            loss, grad_norm, ok = train_step(b.forward, b.diffusion, b.opt, x0, y, b.precision, tc.grad_clip,
+                                             (run.rank, run.world), b.channels_last, tc.grad_accum_steps,
+                                             b.scaler)
 
             # 4. EMA
-            ema_update(ema, model, ema_decay_at(step, tc) if tc.ema_decay > 0 else 0.0, ok)
+            ema_update(b.ema, b.model, ema_decay_at(step, tc) if tc.ema_decay > 0 else 0.0, ok)
             if step >= timing_warmup:
                 timer.stop()
-            tally.add(loss, diffusion.last_losses, diffusion.last_t * 4 // mc.timesteps, ok)
+            tally.add(loss, b.diffusion.last_losses, b.diffusion.last_t * 4 // mc.timesteps, ok)
             step += 1
             pbar.update(1)
 
             # 5. log: one metrics.jsonl row per log_every_steps, the interval's only GPU->CPU sync
             if due(tc.log_every_steps, step) or step == tc.max_steps:
-                # under DDP the loss sums are all-reduced; every rank skips the same steps
-                t = tally.read(world)
-                step_ms = statistics.median(timer.read_ms() or [float("nan")])
-                row = {"step": step, "loss": t["loss"], "lr": lr,
-                       **{f"loss_q{q}": t["loss_q"][q] for q in range(4)},
-                       "grad_norm": grad_norm.item(), "nonfinite_skipped": t["skipped"], "step_ms": step_ms,
-                       "img_per_s": tc.batch_size / step_ms * 1e3, "tflops": flops_per_step / step_ms / 1e9,
-                       "mfu": mfu(flops_per_step, step_ms / 1e3, peak * world),
-                       "kimg": step * tc.batch_size / 1e3, "wall_s": time.time() - t_start}
-                row = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-                       for k, v in row.items()}
-                log(row)
-                skipped_total += t["skipped"]
-                if t["longest_run"] >= tc.max_nonfinite_steps:
-                    raise TrainingError(f"{t['longest_run']} consecutive steps had a non-finite loss or "
-                                        f"gradient (up to step {step}), all skipped; stopping. "
-                                        f"The checkpoints in {out_dir} hold finite weights "
-                                        "from before them: lower --lr or check the data, then --resume")
-                if row["loss"] is not None and row["img_per_s"] is not None:
-                    pbar.set_postfix_str(f"loss {row['loss']:.4f} | {row['img_per_s']:.0f} img/s | "
-                                         f"{row['tflops']:.3f} TFLOP/s | MFU {100 * row['mfu']:.1f}%")
-                elif row["loss"] is not None:
-                    pbar.set_postfix_str(f"loss {row['loss']:.4f}")
+                row = log_interval(run, tc, step, lr, tally, grad_norm, timer.read_ms(), t_start)
+                pbar.set_postfix_str(progress(row))
 
             # 6. a stop request (SIGTERM, SIGINT) ends the run after this step, with a checkpoint
             if preempt.requested():
                 save_checkpoint(step)
-                say(f"stopped by {preempt.signal} after step {step}: checkpoint saved in {out_dir}; "
+                say(f"stopped by {preempt.signal} after step {step}: checkpoint saved in {run.out_dir}; "
                     "continue with --resume")
-                return out_dir
+                return run.out_dir
     finally:
         preempt.close()
         pbar.close()
-        unlock_run_folder(lock)
-    say(f"done: {out_dir} (step {step}, {time.time() - t_start:.0f} s)")
-    return out_dir
+        runs.unlock_run_folder(lock)
+    say(f"done: {run.out_dir} (step {step}, {time.time() - t_start:.0f} s)")
+    return run.out_dir
 
 
 def main(argv=None):
     """Bad input exits 2, a run that cannot go on exits 1; each with one line, never a traceback."""
-    rank = f"[rank {os.environ.get('RANK')}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
     try:
-        mc, tc, preset = parse_args(sys.argv[1:] if argv is None else argv)
-        train(mc, tc, preset)
-    except (ConfigError, DataError) as e:
-        print(f"{rank}error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except TrainingError as e:
-        print(f"{rank}error: {e}", file=sys.stderr)
-        sys.exit(1)
+        with reported():
+            mc, tc, preset = parse_args(sys.argv[1:] if argv is None else argv)
+            train(mc, tc, preset)
     finally:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
@@ -1668,3 +1222,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+

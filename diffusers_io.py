@@ -15,8 +15,8 @@ import os
 
 import torch
 
-import data
 import unet
+from errors import first_line
 
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 OLD_WEIGHTS = "diffusion_pytorch_model.bin"
@@ -53,7 +53,7 @@ def read_json(path):
         with open(path) as f:
             out = json.load(f)
     except (OSError, ValueError) as e:
-        raise ValueError(f"cannot read {path} ({type(e).__name__}: {data.first_line(e)})") from None
+        raise ValueError(f"cannot read {path} ({type(e).__name__}: {first_line(e)})") from None
     if not isinstance(out, dict):
         raise ValueError(f"{path} is not a JSON object")
     return out
@@ -81,7 +81,7 @@ def read_weights(model_dir):
             else:
                 state.update(load_file(path, device="cpu"))
         except Exception as e:  # truncated, corrupt, or not a weights file
-            raise ValueError(f"cannot read {path} ({type(e).__name__}: {data.first_line(e)})") from None
+            raise ValueError(f"cannot read {path} ({type(e).__name__}: {first_line(e)})") from None
     return state
 
 

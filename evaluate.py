@@ -15,15 +15,13 @@ import time
 import numpy as np
 import torch
 
+from errors import UserError
+
 # FID, Inception Score and precision/recall, with torch-fidelity's InceptionV3 (the TF-FID network, ported
 # bit-exactly). Reference statistics of a training set are computed once and cached as an .npz.
 # Under torch.distributed every rank does 1/world of the images and the sums are all-reduced.
 
 REFERENCE_KEEP = 10_000  # reference features kept for precision/recall (k-NN balls are O(n^2) in memory)
-
-
-class EvalError(Exception):
-    """A missing library, missing weights or unusable data: one clear line for the user."""
 
 
 def inception(device):
@@ -32,20 +30,20 @@ def inception(device):
     try:
         from torch_fidelity.feature_extractor_inceptionv3 import URL_INCEPTION_V3, FeatureExtractorInceptionV3
     except ImportError:
-        raise EvalError("FID needs torch-fidelity: pip install torch-fidelity") from None
+        raise UserError("FID needs torch-fidelity: pip install torch-fidelity") from None
     path = os.path.join(torch.hub.get_dir(), "checkpoints", os.path.basename(URL_INCEPTION_V3))
     if not os.path.exists(path):
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             torch.hub.download_url_to_file(URL_INCEPTION_V3, path, progress=False)  # via a temporary file
         except Exception as e:
-            raise EvalError(f"cannot download the Inception weights ({type(e).__name__}); offline, "
+            raise UserError(f"cannot download the Inception weights ({type(e).__name__}); offline, "
                             f"place {URL_INCEPTION_V3} at {path}") from None
     try:
         # a tensors-only file, before the library loads it
         torch.load(path, map_location="cpu", weights_only=True)
     except Exception:
-        raise EvalError(f"{path} is not the Inception weights file: delete it, and place "
+        raise UserError(f"{path} is not the Inception weights file: delete it, and place "
                         f"{URL_INCEPTION_V3} there") from None
     return FeatureExtractorInceptionV3("inception-v3-compat", ["2048", "logits_unbiased"],
                                        feature_extractor_weights_path=path).to(device)
@@ -127,13 +125,13 @@ def reference_stats(extractor, dataset, data_dir, image_size, shapes_count, devi
         except Exception:
             ok = False
         if not ok:
-            raise EvalError(f"{path} is not readable FID reference statistics: delete it and they are "
+            raise UserError(f"{path} is not readable FID reference statistics: delete it and they are "
                             "computed again")
         return ref
     try:
         images, _, _ = data.load_dataset(dataset, data_dir, image_size, shapes_count, train=True)
-    except data.DataError as e:
-        raise EvalError(f"FID reference statistics: {e}") from None
+    except UserError as e:
+        raise UserError(f"FID reference statistics: {e}") from None
     print(f"computing FID reference statistics of {dataset} ({len(images)} images) into {path}", flush=True)
     mine = images[rank::world]
     f, _ = features(extractor, (mine[i : i + batch] for i in range(0, len(mine), batch)), device)
@@ -224,8 +222,8 @@ class TrainingEval:
             try:
                 images, labels, _ = data.load_dataset(tc.dataset, tc.data_dir, mc.image_size, tc.shapes_count,
                                                       train=False)
-            except data.DataError as e:
-                raise EvalError(f"held-out images for bits/dim: {e}") from None
+            except UserError as e:
+                raise UserError(f"held-out images for bits/dim: {e}") from None
             n = min(tc.eval_bpd_images, len(images))
             self.held_out = images[:n][self.rank :: self.world], labels[:n][self.rank :: self.world]
 

@@ -1,0 +1,189 @@
+"""Counted FLOPs and the hardware they are measured against: MFU's numerator and denominator, and the clock.
+
+FLOPs are counted, not estimated: torch.utils.flop_counter sees every matmul, convolution and attention call
+(a multiply-add counts as 2 FLOPs), on the meta device at batch 1. The peak is the datasheet's for known GPUs
+and the measured square-matmul rate elsewhere. StepTimer times without syncing (CUDA events on a GPU), and
+keep_freed_memory is the allocator setting every CPU step runs under.
+"""
+import platform
+import time
+
+import torch
+
+from unet import UNet
+
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # the precisions that run under autocast
+
+
+# Dense peak FLOP/s by precision, from the vendors' datasheets (no sparsity). 'fp32' is the
+# non-tensor-core rate, 'tf32' the tensor-core rate with fp32 inputs. Matched by name, in order.
+PEAK_FLOPS = [
+    ("H200", {"bf16": 989e12, "fp16": 989e12, "tf32": 494.7e12, "fp32": 66.9e12}),
+    ("H100 PCIe", {"bf16": 756e12, "fp16": 756e12, "tf32": 378e12, "fp32": 51.2e12}),
+    ("H100", {"bf16": 989e12, "fp16": 989e12, "tf32": 494.7e12, "fp32": 66.9e12}),  # SXM
+    ("A100", {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12}),
+    # SXM2; no bf16 and no TF32 ('tf32' is its plain fp32 rate), as on the T4 and P100
+    ("V100", {"fp16": 125e12, "tf32": 15.7e12, "fp32": 15.7e12}),
+    ("T4", {"fp16": 65e12, "tf32": 8.1e12, "fp32": 8.1e12}),
+    ("P100", {"fp16": 21.2e12, "tf32": 10.6e12, "fp32": 10.6e12}),  # SXM2
+]
+
+
+def datasheet_peak(device, precision):
+    """Datasheet peak FLOP/s of a CUDA device at `precision`, or None when the device is not in the table."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peaks.get(precision) for key, peaks in PEAK_FLOPS if key in name), None)
+
+
+_matmul_cache = {}
+
+
+def measure_matmul_flops(device, dtype):
+    """The best FLOP/s of square matmuls in `dtype` on `device`: the practical peak MFU is measured against.
+
+    The size grows until one matmul takes >= 50 ms (or n = 8192), so slow paths stay quick to measure.
+    The best of two sweeps: on a shared machine one sweep can land in a slow spell (seen once on the CPU:
+    half the usual rate, which would have doubled every MFU figure of that run).
+    """
+    key = (str(device), dtype)
+    if key not in _matmul_cache:
+        _matmul_cache[key] = max(time_matmuls(device, dtype) for _ in range(2))
+    return _matmul_cache[key]
+
+
+def time_matmuls(device, dtype):
+    """One sweep of growing square matmuls -> the best FLOP/s it saw."""
+    g = torch.Generator(device).manual_seed(0)  # its own generator: measuring never moves the training RNG
+    n, best = 256, 0.0
+    while True:
+        a, b = (torch.randn(n, n, device=device, generator=g).to(dtype) for _ in range(2))
+        timer = StepTimer(device)
+        for _ in range(5):
+            timer.start()
+            a @ b
+            timer.stop()
+        sec = min(timer.read_ms()[1:]) / 1e3  # the first call is warm-up
+        best = max(best, 2 * n**3 / sec)
+        if sec >= 0.05 or n >= 8192:
+            return best
+        n *= 2
+
+
+def cpu_has_bf16():
+    """True where bf16 matmuls run on hardware (AVX512-BF16 or AMX); elsewhere they are emulated, ~100x
+    slower."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+
+def peak_flops(device, precision):
+    """-> (peak FLOP/s, where it came from). CUDA: the datasheet (measured when the device is unknown);
+    CPU: the measured matmul rate in the compute dtype."""
+    peak = datasheet_peak(device, precision)
+    if peak is not None:
+        return peak, f"datasheet {torch.cuda.get_device_name(device)} {precision}"
+    dtype = AUTOCAST_DTYPES.get(precision, torch.float32)
+    return measure_matmul_flops(device, dtype), f"measured {dtype} matmul on {device.type}"
+
+
+def train_flops_per_image(mc, attention="sdpa"):
+    """FLOPs of one training image, forward + backward, counted by torch.utils.flop_counter.
+
+    Counted on the meta device (no memory, no compute) at batch 1; every op in the UNet is
+    linear in the batch, so a step costs batch_size times this.
+    """
+    return counted_flops(mc, attention, backward=True)
+
+
+def forward_flops_per_image(mc, attention="sdpa"):
+    """FLOPs of one network evaluation of one image (a sampler step), counted as train_flops_per_image."""
+    return counted_flops(mc, attention, backward=False)
+
+
+def counted_flops(mc, attention, backward):
+    """FLOPs of one image through the UNet of `mc` on the meta device, with or without the backward."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.device("meta"):
+        model = UNet(mc, attention=attention)
+        x = torch.zeros(1, mc.channels, mc.image_size, mc.image_size)
+        t = torch.zeros(1, dtype=torch.long)
+        y = torch.zeros(1, dtype=torch.long) if mc.num_classes > 0 else None
+    with FlopCounterMode(display=False) as counter:
+        out = model(x, t, y)
+        if backward:
+            out.sum().backward()
+    return counter.get_total_flops()
+
+
+def mfu(flops_per_step, step_seconds, peak):
+    """Model FLOPs utilisation = (FLOPs per step / seconds per step) / peak FLOP/s.
+
+    FLOPs per step = batch_size x train_flops_per_image (forward + backward, attention included).
+    """
+    return flops_per_step / step_seconds / peak
+
+
+class StepTimer:
+    """Times code between start() and stop() without syncing: CUDA events on a GPU,
+    perf_counter elsewhere (CPU ops are synchronous). read_ms() is the sync point."""
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+        self.pending = []
+
+    def start(self):
+        if self.cuda:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._start = time.perf_counter()
+
+    def stop(self):
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.pending.append((self._start, end))
+        else:
+            self.pending.append((time.perf_counter() - self._start) * 1e3)
+
+    def read_ms(self):
+        """Milliseconds of every start/stop pair since the last read. Note: a CPU-GPU sync point."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            out = [s.elapsed_time(e) for s, e in self.pending]
+        else:
+            out = self.pending
+        self.pending = []
+        return out
+
+
+
+def keep_freed_memory():
+    """On a CPU with glibc: keep freed memory in the process (mmap threshold 32 MiB, glibc's largest; trim
+    threshold 2 GiB). By default glibc hands large blocks back to the OS as soon as they are freed, so every
+    training step page-faults its activations and gradients in afresh (BENCHMARKS.md has what it costs).
+    Process-wide: -> whether it took effect (False off glibc)."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
+        return libc.mallopt(-3, 32 << 20) == 1 and libc.mallopt(-1, 2**31 - 1) == 1
+    except (OSError, AttributeError):
+        return False
+
+
+
+def device_name(device):
+    """The GPU's name, or the CPU's model name from /proc/cpuinfo: what every benchmark row is labelled with."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "cpu"
+

@@ -1,0 +1,481 @@
+"""Everything around a run that is not the method: the device and torchrun set-up, the run folder with its
+lock, config and metrics, atomic checkpoints and resume, sample grids and the loss plot, and preemption.
+
+A run folder explains itself: config.json (both configs, what 'auto' resolved to, the environment),
+metrics.jsonl (one JSON row per log interval or evaluation), samples_*.png grids, loss.png, ckpt.pt (the
+resumable state; the one before it survives as ckpt.prev.pt) and ema.pt (the EMA weights, for sampling and
+export). run.lock keeps a second run out while one writes there.
+"""
+import contextlib
+import json
+import math
+import os
+import platform
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict
+
+import torch
+import torch.nn.functional as F
+
+import mfu
+from errors import RUN_STOPPED, UserError, first_line
+
+# -----------------------------------------------------------------------------
+# The device: which one, which precision and layout, and torchrun
+
+
+def resolve_device(name):
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UserError(f"--device={name}: not a device name") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device={name}: no CUDA device is available")
+    try:  # any other missing device (mps on a machine without it, cuda:7 of 1 GPU) fails here, not mid-run
+        torch.empty(1, device=device)
+    except (RuntimeError, AssertionError, ValueError) as e:
+        raise UserError(f"--device={name}: not available here ({first_line(e)})") from None
+    return device
+
+
+def resolve_precision(precision, device):
+    """'auto' -> 'bf16' on CUDA devices with bf16 and on CPUs with AVX512-BF16/AMX; 'fp16' (with loss
+    scaling) on older GPUs (V100, T4, P100), whose fp16 tensor cores are their fast path; else 'fp32'."""
+    if precision != "auto":
+        return precision
+    if device.type == "cuda":
+        return "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16"
+    return "bf16" if device.type == "cpu" and mfu.cpu_has_bf16() else "fp32"
+
+
+
+def set_matmul_precision(precision):
+    """'fp32' is true fp32 everywhere; the others let fp32 matmuls and convs use TF32 tensor cores."""
+    tf32 = precision != "fp32"
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
+
+
+def resolve_channels_last(channels_last, device, precision):
+    """'auto' -> NHWC, the layout tensor-core and oneDNN fp32 convolutions want, except for bf16 on a CPU:
+    there the convolutions run as fast in NCHW, and ATen's NHWC GroupNorm is ~6x slower than its NCHW one
+    (measured on an AVX512-BF16 CPU: the 'ho' step 5-10% faster in NCHW; BENCHMARKS.md)."""
+    if channels_last != "auto":
+        return channels_last == "true"
+    return not (device.type == "cpu" and precision == "bf16")
+
+
+def memory_format(channels_last):
+    return torch.channels_last if channels_last else torch.contiguous_format
+
+
+def resolve_compile(compile, device):
+    """'auto' -> compile on a GPU only. On a CPU, compiling the 'ho' step took 3.6 minutes on 2 AVX512-BF16
+    cores and the compiled step ran 0.89x eager's speed (and 0.96-0.98x in earlier runs; BENCHMARKS.md)."""
+    if compile != "auto":
+        return compile == "true"
+    return device.type == "cuda"
+
+
+def device_notes(device, precision, compile, say):
+    """One line for each setting that will not run as fast as its user may think."""
+    if device.type == "cpu" and precision == "bf16" and not mfu.cpu_has_bf16():
+        say("warning: this CPU has no AVX512-BF16/AMX; bf16 will run far slower than --precision=fp32")
+    if device.type == "cpu" and precision == "fp16":
+        say("note: fp16 on a CPU runs for testing the loss-scaling path; it is not faster than fp32 there")
+    if device.type == "cpu" and compile:
+        say("note: torch.compile takes minutes on a CPU and measured no faster than eager there "
+            "(BENCHMARKS.md); --compile=auto or false skips it")
+
+
+def set_up_cpu(device, threads, say):
+    """On a CPU: the step's intra-op threads (0 = torch's default) and glibc keeping freed memory."""
+    if device.type != "cpu":
+        return
+    if threads:
+        torch.set_num_threads(threads)
+    if not mfu.keep_freed_memory():
+        say("note: not glibc: freed memory goes back to the OS, and each CPU step page-faults it in again")
+
+
+def distributed_setup(tc):
+    """-> (rank, world, device). Under torchrun (WORLD_SIZE > 1) this process joins the group, NCCL
+    between GPUs (one per process: LOCAL_RANK) and gloo between CPU processes."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    device = resolve_device(tc.device)
+    if world == 1:
+        return 0, 1, device
+    if tc.batch_size % world:
+        raise UserError(f"batch_size {tc.batch_size} does not divide by the {world} processes "
+                          "(it is the global batch, split evenly across them)")
+    if tc.batch_size // world % tc.grad_accum_steps:
+        raise UserError(f"each process's batch of {tc.batch_size // world} does not divide into "
+                          f"grad_accum_steps={tc.grad_accum_steps} micro-batches")
+    import torch.distributed as dist
+
+    rank = int(os.environ["RANK"])
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return rank, world, device
+
+
+def gather_rows(x, rank, world):
+    """Rows rank::world of a tensor from every rank -> the whole tensor in the original order (CPU)."""
+    if world == 1:
+        return x.cpu()
+    parts = [None] * world
+    torch.distributed.all_gather_object(parts, x.cpu())
+    out = torch.empty((sum(map(len, parts)), *x.shape[1:]), dtype=x.dtype)
+    for r, p in enumerate(parts):
+        out[r::world] = p
+    return out
+
+
+# -----------------------------------------------------------------------------
+# The run folder: its lock, its record of the environment, grids and the loss plot
+
+
+def prepare_run_folder(out_dir, preset, resume, world):
+    """-> the run folder, made if need be: out_dir, or runs/<preset>-<date>-<time>. A folder that already holds
+    a checkpoint is continued only with --resume, and --resume needs one."""
+    if world > 1 and not out_dir:
+        raise UserError("under torchrun, give --out_dir (every rank must name the same run folder)")
+    out_dir = out_dir or os.path.join("runs", f"{preset}-{time.strftime('%Y%m%d-%H%M%S')}")
+    ckpt_path = os.path.join(out_dir, "ckpt.pt")
+    have_ckpt = os.path.exists(ckpt_path) or os.path.exists(previous_path(ckpt_path))
+    if resume and not have_ckpt:
+        raise UserError(f"--resume: no checkpoint at {ckpt_path}")
+    if not resume and have_ckpt:
+        raise UserError(f"{out_dir} already holds a checkpoint: pass --resume to continue it, "
+                        "or choose another --out_dir")
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:  # a path through a file, a read-only place
+        raise UserError(f"--out_dir={out_dir}: cannot make it ({e.strerror or e})") from None
+    return out_dir
+
+
+def write_json(path, obj):
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2)
+
+
+def append_metrics(out_dir, row):
+    """One row of metrics.jsonl."""
+    with open(os.path.join(out_dir, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+HELD_LOCKS = set()  # the tokens of the run-folder locks this process holds
+
+
+def lock_run_folder(out_dir):
+    """One run per folder: out_dir/run.lock names its owner's host and pid, and a second run is refused in one
+    line. A lock left by a run that is gone (same host and that pid no longer alive, or this process's own
+    from a run that already ended) is stale and taken over. -> (path, token) for unlock_run_folder."""
+    path = os.path.join(out_dir, "run.lock")
+    me = {"host": platform.node(), "pid": os.getpid(), "token": os.urandom(8).hex(),
+          "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+    for _ in range(3):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            try:
+                with open(path) as f:
+                    owner = json.load(f)
+            except (OSError, ValueError):  # being written this instant, or garbage: live if fresh
+                fresh = time.time() - os.path.getmtime(path) < 10 if os.path.exists(path) else False
+                owner = {"host": "?", "pid": "?"} if fresh else {"host": me["host"], "pid": -1}
+            if not (owner.get("host") == me["host"]
+                    and not process_alive(owner.get("pid"), owner.get("token"))):
+                raise UserError(f"{out_dir} is in use by another run "
+                                  f"(pid {owner.get('pid')} on {owner.get('host')}, "
+                                  f"since {owner.get('since', '?')}); if that run has ended, delete {path}")
+            print(f"note: taking over the stale lock of pid {owner.get('pid')}, which has ended")
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+            continue
+        with os.fdopen(fd, "w") as f:
+            json.dump(me, f)
+        HELD_LOCKS.add(me["token"])
+        return path, me["token"]
+    raise UserError(f"could not take the lock {path}")
+
+
+def process_alive(pid, token):
+    if pid == os.getpid():  # this process: alive, but the lock is stale unless a run in it still holds it
+        return token in HELD_LOCKS
+    try:
+        os.kill(int(pid), 0)
+    except (ProcessLookupError, ValueError, TypeError, OverflowError):
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def unlock_run_folder(lock):
+    if lock is None:
+        return
+    path, token = lock
+    HELD_LOCKS.discard(token)
+    with contextlib.suppress(OSError, ValueError):
+        with open(path) as f:
+            mine = json.load(f).get("token") == token
+        if mine:
+            os.remove(path)
+
+
+def environment(device):
+    def git(*args):
+        try:
+            return subprocess.run(["git", *args], cwd=os.path.dirname(os.path.abspath(__file__)),
+                                  capture_output=True, text=True, timeout=10).stdout.strip() or None
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    import numpy
+    import torchvision
+
+    return {
+        "git_hash": git("rev-parse", "HEAD"),
+        "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torchvision": torchvision.__version__,
+        "numpy": numpy.__version__,
+        "device": mfu.device_name(device),
+        "cpu_threads": torch.get_num_threads(),
+        "cuda": torch.version.cuda,
+        "hostname": platform.node(),
+        "argv": sys.argv,
+    }
+
+
+def save_grid(images, path):
+    """images in [-1, 1], (B, C, H, W) -> a square PNG grid; small images are enlarged to be visible."""
+    import torchvision
+
+    x = (images.float() + 1) / 2
+    if x.shape[-1] < 64:
+        x = F.interpolate(x, scale_factor=64 // x.shape[-1], mode="nearest")
+    torchvision.utils.save_image(x, path, nrow=math.ceil(math.sqrt(len(x))), padding=2)
+
+
+def plot_losses(out_dir):
+    """loss.png from metrics.jsonl: the loss and its four timestep quartiles (none before the first row)."""
+    metrics_path, png_path = os.path.join(out_dir, "metrics.jsonl"), os.path.join(out_dir, "loss.png")
+    if not os.path.exists(metrics_path):
+        return
+    try:
+        import matplotlib
+    except ImportError:  # a bare machine (e.g. a lent GPU box) may lack it: no plot, said once
+        if not getattr(plot_losses, "warned", False):
+            print("note: matplotlib is not installed; loss.png is not drawn (metrics.jsonl has the numbers)")
+            plot_losses.warned = True
+        return
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in map(json.loads, open(metrics_path)) if "loss" in r]  # not the evaluation rows
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="loss")
+    for q in range(4):
+        ax.plot([r["step"] for r in rows], [r[f"loss_q{q}"] for r in rows], lw=0.8, alpha=0.7,
+                label=f"t quartile {q}")
+    ax.set(xlabel="step", ylabel="loss", yscale="log", title="training loss")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+
+
+# -----------------------------------------------------------------------------
+# Checkpoints that are never lost, and resume
+
+
+def previous_path(path):
+    """ckpt.pt -> ckpt.prev.pt, in the same folder, whatever the folder is called."""
+    root, ext = os.path.splitext(path)
+    return root + ".prev" + ext
+
+
+def atomic_save(obj, path, keep_previous=False):
+    """torch.save to a temporary file, fsync, rename: a crash mid-write never leaves a broken `path`.
+    keep_previous: the file it replaces survives as *.prev.pt. A failed write (a full disk) removes the
+    temporary file, leaves `path` as it was, and raises UserError (status 1)."""
+    tmp = f"{path}.tmp"
+    try:
+        torch.save(obj, tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+    except (OSError, RuntimeError) as e:  # torch.save reports some write failures as RuntimeError
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else first_line(e)
+        raise UserError(f"could not write {path} ({reason}); the previous checkpoint is intact", RUN_STOPPED) from None
+    if keep_previous and os.path.exists(path):
+        os.replace(path, previous_path(path))
+    os.replace(tmp, path)
+
+
+def save_checkpoints(out_dir, step, model, ema, mc, tc, **state):
+    """ckpt.pt, the resumable state (weights, EMA, RNG, both configs and `state`: optimizer, scaler, loader
+    position, ...; the one before survives as ckpt.prev.pt), and ema.pt, the export. Weights that are no
+    longer finite are never written: the run stops with the checkpoints it had."""
+    finite = torch.stack([torch.isfinite(p).all() for p in [*model.parameters(), *ema.parameters()]]).all()
+    # a sync, once per checkpoint; a finite step can still overflow the weights (huge lr)
+    if not finite.item():
+        raise UserError(f"the weights are no longer finite at step {step}; {os.path.join(out_dir, 'ckpt.pt')} "
+                        "is left as it was (lower --lr, then --resume)", RUN_STOPPED)
+    on_gpu = next(model.parameters()).device.type == "cuda"
+    rng = {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if on_gpu else []}
+    configs = {"model_config": asdict(mc), "trainer_config": asdict(tc), "step": step}
+    atomic_save({"model": model.state_dict(), "ema": ema.state_dict(), "rng": rng, **state, **configs},
+                os.path.join(out_dir, "ckpt.pt"), keep_previous=True)
+    atomic_save({"ema": ema.state_dict(), **configs}, os.path.join(out_dir, "ema.pt"))
+
+
+def load_checkpoint(path, device):
+    """torch.load with weights_only=True (a checkpoint can never run code); a bad file is one UserError
+    line."""
+    if not os.path.exists(path):
+        raise UserError(f"no checkpoint at {path}")
+    try:
+        return torch.load(path, map_location=device, weights_only=True)
+    except Exception as e:  # truncated, corrupt, or not a torch file
+        raise UserError(f"cannot read checkpoint {path} ({type(e).__name__}: {first_line(e)})") from None
+
+
+def load_resume_checkpoint(out_dir, device):
+    """The newest readable of ckpt.pt and ckpt.prev.pt; a corrupt or missing newest one is said in one
+    line."""
+    path = os.path.join(out_dir, "ckpt.pt")
+    try:
+        return load_checkpoint(path, device), path
+    except UserError as e:
+        prev = previous_path(path)
+        if not os.path.exists(prev):
+            raise
+        print(f"warning: {e}; resuming from the previous checkpoint {prev}")
+        return load_checkpoint(prev, device), prev
+
+
+def restore(ckpt, path, mc, model, ema, opt, loader, world, scaler=None):
+    """Load a resumable checkpoint into the run's objects: weights, EMA, optimizer, data position, RNG
+    states. -> its step. A checkpoint of a different model is one UserError line."""
+    try:
+        saved = ckpt["model_config"]
+        as_list = lambda v: list(v) if isinstance(v, (tuple, list)) else v  # noqa: E731
+        changed = [k for k, v in asdict(mc).items() if as_list(saved.get(k)) != as_list(v)]
+        states = (ckpt["model"], ckpt["ema"], ckpt["optimizer"], dict(ckpt["loader"]), ckpt["rng"],
+                  ckpt["step"])
+    except (KeyError, TypeError, AttributeError) as e:
+        raise UserError(f"{path} is not a resumable ddpm checkpoint (no {e})") from None
+    if changed:
+        raise UserError(f"--resume: the model config differs from the checkpoint's in {', '.join(changed)}")
+    model_state, ema_state, opt_state, position, rng, step = states
+    model.load_state_dict(model_state)
+    ema.load_state_dict(ema_state)
+    opt.load_state_dict(opt_state)
+    # fp16's loss scale goes on where it was: resume stays bitwise
+    if scaler is not None and ckpt.get("scaler"):
+        scaler.load_state_dict(ckpt["scaler"])
+    saved_world = ckpt.get("world_size", 1)
+    if saved_world != world:  # the position counts per-rank images: keep the same place in the epoch
+        per_rank = position["index"] * saved_world // world
+        position["index"] = per_rank - per_rank % loader.batch_size
+        print(f"note: resuming {saved_world}-process training with {world}: the same epoch and place in it, "
+              "but not bitwise the run it would have been")
+    loader.load_state_dict(position)
+    torch.set_rng_state(rng["torch"])
+    if torch.cuda.is_available() and rng["cuda"]:
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    return step
+
+
+# -----------------------------------------------------------------------------
+# The loop's companions: the log interval's tallies on the device, and preemption
+
+
+class Tally:
+    """One log interval's loss sums and skipped steps, accumulated on the device: no host sync per step."""
+
+    def __init__(self, device):
+        # [loss, steps, 4 x loss per t quartile, 4 x samples per quartile]
+        self.sums = torch.zeros(10, device=device)
+        self.loss, self.steps, self.q_loss, self.q_count = (self.sums[0], self.sums[1], self.sums[2:6],
+                                                            self.sums[6:10])
+        self.skipped = torch.zeros((), device=device)  # steps skipped in this interval
+        self.run = torch.zeros((), device=device)  # the current run of skipped steps
+        self.longest = torch.zeros((), device=device)  # the longest run in this interval
+
+    def add(self, loss, losses, quartile, ok):
+        good = ok > 0  # torch.where, not x * ok: a skipped step's NaN x 0 would still be NaN
+        self.loss += torch.where(good, loss, 0.0)
+        self.steps += ok
+        self.q_loss.index_add_(0, quartile, torch.where(good, losses, 0.0))
+        self.q_count.index_add_(0, quartile, torch.ones_like(losses) * ok)
+        self.skipped += 1 - ok
+        self.run.mul_(1 - ok).add_(1 - ok)  # +1 on a skip, back to 0 on an applied step
+        torch.maximum(self.longest, self.run, out=self.longest)
+
+    def read(self, world):
+        """-> the interval's means and counts (a host sync), and starts the next interval. The longest run of
+        skips carries over: a run that spans two intervals is counted whole."""
+        if world > 1:
+            torch.distributed.all_reduce(self.sums)
+        s, skipped, longest = self.sums.tolist(), int(self.skipped.item()), int(self.longest.item())
+        out = {"loss": s[0] / s[1] if s[1] else None, "skipped": skipped, "longest_run": longest,
+               "loss_q": [s[2 + q] / s[6 + q] if s[6 + q] else None for q in range(4)]}
+        self.sums.zero_()
+        self.skipped.zero_()
+        self.longest.copy_(self.run)
+        return out
+
+
+class Preemption:
+    """SIGTERM or SIGINT asks the run to stop: the current step finishes, a checkpoint is written, and
+    train() returns. Under DDP the ranks agree through an asynchronous all-reduce on a gloo group
+    (host memory: no GPU sync), read one step later, so all of them stop after the same step."""
+
+    def __init__(self, world):
+        self.signal, self.work, self.previous = None, None, {}
+        # Python delivers signals to the main thread only
+        if threading.current_thread() is threading.main_thread():
+            self.previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
+        self.group = torch.distributed.new_group(backend="gloo") if world > 1 else None
+
+    def _handle(self, signum, frame):
+        if signum == signal.SIGINT and self.signal == "SIGINT":
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now, without the checkpoint
+        self.signal = signal.Signals(signum).name
+
+    def requested(self):
+        if self.group is None:
+            return self.signal is not None
+        agreed = False
+        if self.work is not None:
+            self.work.wait()
+            agreed = bool(self.flag.item())
+        self.flag = torch.tensor([float(self.signal is not None)])
+        self.work = torch.distributed.all_reduce(self.flag, op=torch.distributed.ReduceOp.MAX,
+                                                 group=self.group, async_op=True)
+        if agreed and self.signal is None:
+            self.signal = "a signal to another rank"
+        return agreed
+
+    def close(self):
+        if self.work is not None:
+            self.work.wait()
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
