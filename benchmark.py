@@ -18,13 +18,13 @@ bf16), grad accumulation x4 (the same batch as 4 micro-batches), activation chec
 and at the largest batch that fits, and the largest batch at patch size Q: against the largest batch of the
 scaled-up rows, the paper's memory claim. Largest-batch rows search on a GPU only.
 
-Every row times the training step that ddpm.py runs (`train_step` + `ema_update`, data loading
-included), with CUDA events on a GPU: the median over `--iters` iterations after `--warmup`
-(compilation and warm-up stay off the clock). FLOPs are counted by torch.utils.flop_counter
-(attention included); the torchinfo x 3 column is the reference repo's estimate, which misses the
-attention matmuls. MFU = counted FLOP/s / peak: the datasheet peak for the row's precision
-(A100/H100/H200; fp32 rows use the non-tensor-core fp32 peak) and the matmul rate measured on the
-device in the row's dtype.
+Every row builds its run with `ddpm.build` (the row's settings as a TrainerConfig) and times the training
+step that ddpm.py runs (`train_step` + `ema_update`, data loading included), with CUDA events on a GPU
+(mfu.StepTimer): the median over `--iters` iterations after `--warmup` (compilation and warm-up stay off
+the clock). FLOPs are counted by torch.utils.flop_counter (mfu.train_flops_per_image, attention included);
+the torchinfo x 3 column is the reference repo's estimate, which misses the attention matmuls. MFU =
+counted FLOP/s / peak: the datasheet peak for the row's precision (A100/H100/H200; fp32 rows use the
+non-tensor-core fp32 peak) and the matmul rate measured on the device in the row's dtype.
 
     python benchmark.py --sample --preset lsun-p4 --patch_sizes 1,2,4,8   # sampling speed at each P
 
@@ -51,6 +51,9 @@ import torch
 
 import data
 import ddpm
+import errors
+import mfu
+import runs
 from unet import UNet
 
 # -----------------------------------------------------------------------------
@@ -158,7 +161,6 @@ def loader_bench(folder, image_size=32, batch_size=512, num_workers=2, epochs=3,
     return rows
 
 
-
 # -----------------------------------------------------------------------------
 # The ladder
 
@@ -197,37 +199,43 @@ LADDER = [
 ]
 
 
-def build(mc, row, batch, device, images, labels, beton):
-    """Model, diffusion, optimizer, EMA and loader for one row, exactly as ddpm.train sets them up."""
-    torch.manual_seed(0)
-    tc = ddpm.TrainerConfig(batch_size=batch, compile="true" if row["compile"] else "false",
-                            compile_mode=row["compile_mode"])
-    fmt = ddpm.memory_format(row["channels_last"])
-    model = UNet(mc, attention=row["attention"], activation_checkpointing=row["checkpointing"])
-    model = model.to(device, memory_format=fmt)
-    ema = UNet(mc, attention=row["attention"]).to(device, memory_format=fmt).requires_grad_(False)
-    opt = ddpm.make_optimizer(model, tc, device)
-    forward = ddpm.compiled(model, tc, device)
+def row_config(row, batch):
+    """A row's settings as the TrainerConfig `python ddpm.py` would train with: explicit, never 'auto'."""
+    flag = lambda on: "true" if on else "false"  # noqa: E731
+    return ddpm.TrainerConfig(batch_size=batch, grad_accum_steps=row["accum_steps"],
+                              precision=row["precision"], compile=flag(row["compile"]),
+                              compile_mode=row["compile_mode"], channels_last=flag(row["channels_last"]),
+                              attention=row["attention"], activation_checkpointing=row["checkpointing"])
+
+
+def row_loader(mc, row, batch, device, images, labels, beton):
+    """The row's loader: the baseline's typical DataLoader, host memory, the device, or FFCV (`beton`)."""
     with_labels = mc.num_classes > 0
     if row["loader"] == "dataloader":
-        loader = DataLoaderAdapter(images, labels, batch, device, with_labels)
-    elif row["loader"] == "host":  # batches gathered from the uint8 images in host memory (the batch search)
-        loader = data.Loader(images, labels, batch, 0, device, with_labels=with_labels)
-    elif row["loader"] == "resident":
-        loader = data.ResidentLoader(images, labels, batch, 0, device, with_labels=with_labels)
-    else:
-        loader = data.FFCVLoader(beton, batch, 0, device, with_labels=with_labels)
-    return model, ema, ddpm.Diffusion(mc).to(device), opt, forward, loader
+        return DataLoaderAdapter(images, labels, batch, device, with_labels)
+    if row["loader"] == "host":  # batches gathered from the uint8 images in host memory (the batch search)
+        return data.Loader(images, labels, batch, 0, device, with_labels=with_labels)
+    if row["loader"] == "resident":
+        return data.ResidentLoader(images, labels, batch, 0, device, with_labels=with_labels)
+    return data.FFCVLoader(beton, batch, 0, device, with_labels=with_labels)
+
+
+def build(mc, row, batch, device, images, labels, beton):
+    """-> (TrainerConfig, ddpm.Built, loader) for one row: the row's settings as a TrainerConfig, and the
+    model, EMA, optimizer, loss scaler and forward from ddpm.build, exactly as ddpm.train sets them up (the
+    same seeded weights in every row)."""
+    tc = row_config(row, batch)
+    torch.manual_seed(0)
+    built = ddpm.build(mc, tc, device)
+    return tc, built, row_loader(mc, row, batch, device, images, labels, beton)
 
 
 def time_steps(mc, row, batch, device, images, labels, beton, warmup, iters):
     """Median ms of one training iteration (data + train_step + EMA) and the peak memory in GB."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    model, ema, diffusion, opt, forward, loader = build(mc, row, batch, device, images, labels, beton)
-    ddpm.set_matmul_precision(row["precision"])
-    scaler = ddpm.grad_scaler(device, row["precision"])  # fp16 only
-    timer = ddpm.StepTimer(device)
+    tc, b, loader = build(mc, row, batch, device, images, labels, beton)
+    timer = mfu.StepTimer(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     # the SDPA rows may use the fused kernels only (flash, or memory-efficient), never SDPA's math fallback
@@ -236,10 +244,10 @@ def time_steps(mc, row, batch, device, images, labels, beton, warmup, iters):
             if i >= warmup:
                 timer.start()
             x0, y = loader.next()
-            _, _, ok = ddpm.train_step(forward, diffusion, opt, x0, y, row["precision"], 1.0,
-                                       channels_last=row["channels_last"], accum_steps=row["accum_steps"],
-                                       scaler=scaler)
-            ddpm.ema_update(ema, model, ddpm.TrainerConfig.ema_decay, ok)  # as train() calls it
+            _, _, ok = ddpm.train_step(b.forward, b.diffusion, b.opt, x0, y, b.precision, tc.grad_clip,
+                                       channels_last=b.channels_last, accum_steps=tc.grad_accum_steps,
+                                       scaler=b.scaler)  # the scaler: fp16 only
+            ddpm.ema_update(b.ema, b.model, tc.ema_decay, ok)  # as train() calls it
             if i >= warmup:
                 timer.stop()
     ms = statistics.median(timer.read_ms())  # note: a sync point
@@ -251,7 +259,7 @@ def free_memory(device):
     # a fresh dynamo cache for every row: no recompile limit reached across rows, no batch size marked
     # dynamic because an earlier row compiled another one, no CUDA-graph pools kept (compiled kernels stay
     # cached)
-    torch._dynamo.reset()
+    torch.compiler.reset()
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -277,81 +285,222 @@ def largest_batch(mc, row, device, images, labels, start, limit):
     return best
 
 
-SAMPLING_FIELDS = {"sampler", "guidance", "threshold"}  # TrainerConfig fields --sample takes as --field=value
+@dataclasses.dataclass
+class Ladder:
+    """What the rows share: the command line's settings, the images they train on, what the measured rows
+    carry on to the rows below them, and the rows so far."""
+    args: argparse.Namespace
+    mc: ddpm.ModelConfig           # the preset, with the command line's ModelConfig fields
+    device: torch.device
+    device_name: str               # what the rows are labelled with (mfu.device_name)
+    base_batch: int                # the baseline's batch
+    iters: int                     # timed iterations per row
+    warmup: int                    # untimed iterations before them (compilation included)
+    skip: set                      # the names of the rows not to run: --skip's, and those --rows leaves out
+    only: set                      # --rows: the names to run; empty = all
+    images: torch.Tensor           # uint8 shapes at the preset's resolution; more when a batch outgrows them
+    labels: torch.Tensor
+    # the cumulative settings: a skipped baseline still gives every later row its starting point
+    cfg: dict = dataclasses.field(default_factory=lambda: dict(LADDER[0][1]))
+    scaled_batch: int = None       # the batch the last searched (or --batch) row carried on
+    scaled_by: str = None          # that row's name
+    rows: list = dataclasses.field(default_factory=list)
+
+    @property
+    def gpu(self):
+        return self.device.type == "cuda"
 
 
-def sampling_table(mc, tc, device, patch_sizes, batch, steps):
-    """Sampling speed of the preset rebuilt at each patch size Q (benchmark.repatched: the same widths,
-    attention over the same image regions), with its sampler, guidance and thresholding: what sample.py
-    reports, per Q, plus the counted forward FLOPs per image. Random weights (speed does not depend on them),
-    eager, under the autocast sample.py uses. One untimed 2-step warm-up per Q; the clock stops after the
-    device has finished."""
-    import time
+def row_names(args):
+    """-> (the names of the rows not to run: --skip's and those --rows leaves out; --rows's names). The
+    patched rows are named with --patch_size; an unknown name in --rows or --skip is refused."""
+    names = [name.replace("patch_size P", f"patch_size {args.patch_size}") for name, _ in LADDER]
+    skip, only = ({s.strip() for s in spec.split(",") if s.strip()} for spec in (args.skip, args.rows))
+    if (skip | only) - set(names):
+        raise errors.UserError(f"no ladder row is called {', '.join(sorted((skip | only) - set(names)))}; "
+                               f"the rows: {', '.join(names)}")
+    return skip | (set(names) - only if only else set()), only
 
-    import sample
 
-    precision = ddpm.resolve_precision("auto", device)
-    rows, interrupted = [], False
-    for q in patch_sizes:
-        mcq = repatched(mc, q)
+def skip_reason(lad, name, change, trial):
+    """Why the row `name` (its `change`; `trial`, the settings it would run with) is not run here, or
+    None."""
+    if name in lad.skip:
+        return "not in --rows" if lad.only and name not in lad.only else "skipped by --skip"
+    if trial["loader"] == "ffcv" and not data.ffcv_available():
+        return "ffcv is not installed"
+    if trial["precision"] == "bf16" and not (lad.gpu and torch.cuda.is_bf16_supported()) and not (
+            lad.device.type == "cpu" and mfu.cpu_has_bf16()):
+        return "no bf16 hardware on this device"
+    if trial["compile"] and not lad.gpu and not lad.args.cpu_compile:
+        return "compiling takes minutes on the CPU; --cpu_compile includes it"
+    if name == "compile max-autotune" and not lad.args.autotune:
+        return "its kernel search takes many minutes; --autotune includes it"
+    if trial["compile_mode"] == "reduce-overhead" and not lad.gpu:
+        return "CUDA graphs need a GPU"
+    if trial["compile_mode"] != "default" and not trial["compile"]:
+        return "needs the torch.compile row"
+    if trial["precision"] == "fp16" and not lad.gpu:
+        return "fp16 is for GPUs without bf16; a CPU emulates it (7x slower than bf16 here)"
+    if change.get("alone") and change.get("batch") == "max" and not lad.gpu:
+        return "the largest-batch search needs a GPU (it stops at the first out-of-memory error)"
+    if trial["accum_steps"] > 1 and (lad.scaled_batch or lad.base_batch) % trial["accum_steps"]:
+        return f"the batch does not split into {trial['accum_steps']} micro-batches"
+    return None
+
+
+def invalid(mc_row, mc):
+    """Why the row's repatched model cannot exist (ddpm.validate's message), or None."""
+    if mc_row.patch_size == mc.patch_size:
+        return None
+    try:
+        ddpm.validate(mc_row, ddpm.TrainerConfig())
+    except errors.UserError as e:
+        return str(e)
+    return None
+
+
+def row_batch(lad, change, trial, mc_row):
+    """The row's batch: the baseline's, a searched largest batch (or --batch), or the one carried on."""
+    if trial["batch"] == "base":
+        return lad.base_batch
+    if change.get("batch") == "max":
+        if change.get("alone") or (lad.gpu and not lad.args.batch):  # searched; a one-off row ignores --batch
+            return largest_batch(mc_row, trial, lad.device, lad.images, lad.labels, lad.base_batch,
+                                 lad.args.max_batch)
+        return lad.args.batch or 2 * lad.base_batch
+    return lad.scaled_batch or lad.base_batch  # (the scaling row may have been skipped)
+
+
+def row_beton(lad, trial, batch):
+    """Enough images for the row's iterations (drawn afresh when its batch outgrows them), and for the FFCV
+    row the same images as a beton, written once per size and reused; None for the other loaders."""
+    if len(lad.images) < batch * (lad.warmup + lad.iters):
+        lad.images, lad.labels, _ = data.shapes(batch * (lad.warmup + lad.iters), lad.mc.image_size)
+    if trial["loader"] != "ffcv":
+        return None
+    beton, _ = data.beton_for("shapes", "", lad.mc.image_size, data.BETON_DIR, shapes_count=len(lad.images))
+    return beton
+
+
+def measured_row(lad, name, trial, mc_row, batch, ms, mem):
+    """A measured row's JSON: its settings, speed, counted TFLOP/s and MFU against both peaks."""
+    flops = mfu.train_flops_per_image(mc_row) * batch
+    info = torchinfo_flops_per_image(mc_row)
+    dtype = mfu.AUTOCAST_DTYPES.get(trial["precision"], torch.float32)
+    sheet = mfu.datasheet_peak(lad.device, trial["precision"])
+    measured = mfu.measure_matmul_flops(lad.device, dtype)
+    return {"version": name, "batch": batch, "precision": trial["precision"],
+            "compile": trial["compile"], "compile_mode": trial["compile_mode"],
+            "attention": trial["attention"], "channels_last": trial["channels_last"],
+            "loader": trial["loader"], "accum_steps": trial["accum_steps"],
+            "activation_checkpointing": trial["checkpointing"], "patch_size": mc_row.patch_size,
+            "step_ms": ms, "img_per_s": batch / ms * 1e3, "tflops": flops / ms / 1e9,
+            "tflops_torchinfo_x3": info * batch / ms / 1e9 if info else None,
+            "mfu_datasheet": mfu.mfu(flops, ms / 1e3, sheet) if sheet else None,
+            "datasheet_peak_tflops": sheet / 1e12 if sheet else None,
+            "mfu_measured": mfu.mfu(flops, ms / 1e3, measured),
+            "measured_peak_tflops": measured / 1e12, "peak_mem_gb": mem}
+
+
+def run_row(lad, name, change):
+    """One row: skipped with its reason, or measured and saved. A failed row adds nothing, as a skipped one;
+    a measured row that is not `alone` carries its settings, and a batch it searched, on to the rows below."""
+    trial = {**lad.cfg, **{k: v for k, v in change.items() if k != "alone"}}
+    mc_row = repatched(lad.mc, lad.args.patch_size) if "patch_size" in trial else lad.mc
+    reason = skip_reason(lad, name, change, trial) or invalid(mc_row, lad.mc)
+    if not reason:
         try:
-            ddpm.validate(mcq, tc)
-        except ddpm.ConfigError as e:
-            print(f"P = {q}: {e}")
-            rows.append({"patch_size": q, "skipped": str(e)})
-            continue
-        torch.manual_seed(0)
-        net = ddpm.autocast_model(UNet(mcq).to(device).eval().requires_grad_(False), device, precision)
-        diffusion = ddpm.Diffusion(mcq).to(device)
-        counted, evaluated = sample.counting(net)
-        y = (torch.arange(batch) % mcq.num_classes).to(device) if mcq.num_classes else None
-        shape = (batch, mcq.channels, mcq.image_size, mcq.image_size)
-        kw = dict(sampler=tc.sampler, y=y, guidance=tc.guidance, threshold=tc.threshold)
-        try:
-            diffusion.sample(net, shape, steps=min(2, steps or mcq.timesteps), **kw)  # warm-up
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-                torch.cuda.reset_peak_memory_stats(device)
-            t0 = time.perf_counter()
-            diffusion.sample(counted, shape, steps=steps or None, generator=torch.Generator().manual_seed(0),
-                             **kw)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            speed = sample.sampling_speed(batch, evaluated[0], time.perf_counter() - t0, device)
+            batch = row_batch(lad, change, trial, mc_row)
+            beton = row_beton(lad, trial, batch)
+            ms, mem = time_steps(mc_row, trial, batch, lad.device, lad.images, lad.labels, beton, lad.warmup,
+                                 lad.iters)
+        # e.g. a compile mode this torch cannot do here
         except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
-            reason = f"failed: {type(e).__name__}: {data.first_line(e)[:200]}"
-            print(f"P = {q}: {reason}")
-            rows.append({"patch_size": q, "skipped": reason})
-            free_memory(device)
-            continue
-        except KeyboardInterrupt:  # Ctrl-C, or gpu_bench.sh's cap: the table of the sizes measured so far
-            interrupted = True
-            print(f"\ninterrupted at P = {q}: the table has the patch sizes before it")
-            break
-        free_memory(device)
-        if device.type != "cuda":  # the process's max RSS spans every row before this one: not per row
-            speed.update(peak_memory_bytes=None, peak_memory="n/a on the CPU")
-        row = {"patch_size": q, "batch": batch, "sampler": tc.sampler, "steps": steps or mcq.timesteps,
-               "guidance": tc.guidance, "threshold": tc.threshold, "autocast": precision, **speed,
-               "gflop_per_image": ddpm.forward_flops_per_image(mcq) * speed["nfe_per_image"] / 1e9}
-        rows.append(row)
-        print(f"P = {q}: {row['img_per_s']:.3g} img/s, {row['s_per_img']:.3g} s/image, "
-              f"{row['gflop_per_image']:,.1f} GFLOP/image", flush=True)
-    measured = [r for r in rows if "skipped" not in r]
-    base = next((r for r in measured if r["patch_size"] == 1), measured[0] if measured else None)
-    print(f"\n| P | batch | steps | img/s | s/image | NFE/image | NFE/s | GFLOP/image | img/s vs P = "
-          f"{base['patch_size'] if base else 1} | FLOPs ratio | peak memory |\n" + "|---" * 11 + "|")
-    for r in rows:
+            reason = f"failed: {type(e).__name__}: {errors.first_line(e)[:200]}"
+        free_memory(lad.device)
+    if reason:
+        print(f"{name}: {reason}")
+        lad.rows.append({"version": name, "skipped": reason})
+        return
+    if not change.get("alone"):
+        lad.cfg = trial
+        if change.get("batch") == "max":
+            lad.scaled_batch, lad.scaled_by = batch, name
+    row = measured_row(lad, name, trial, mc_row, batch, ms, mem)
+    lad.rows.append(row)
+    print(f"{name}: batch {batch}, {ms:.1f} ms/step, {row['img_per_s']:.1f} img/s, "
+          f"{row['tflops']:.3f} TFLOP/s", flush=True)
+    save_ladder(lad)  # after every row, so a run cut short by a time limit keeps what it measured
+
+
+def run_rows(lad):
+    """Every row of LADDER in turn, into lad.rows. -> whether it was cut short (Ctrl-C, or `timeout -s INT`):
+    the rows measured before it stay."""
+    name = None
+    try:
+        for name, change in LADDER:
+            name = name.replace("patch_size P", f"patch_size {lad.args.patch_size}")
+            run_row(lad, name, change)
+    except KeyboardInterrupt:
+        print(f"\ninterrupted in the row {name!r}: the table has the rows before it")
+        return True
+    return False
+
+
+def save_ladder(lad):
+    """Each measured row's speedup over the first measured one; the rows to --json, if given."""
+    measured = [r for r in lad.rows if "skipped" not in r]
+    for r in measured:
+        r["speedup"] = r["tflops"] / measured[0]["tflops"]
+    if lad.args.json:
+        with open(lad.args.json, "w") as f:
+            json.dump({"preset": lad.args.preset, "device": lad.device_name, "torch": torch.__version__,
+                       "date": str(datetime.date.today()), "iters": lad.iters, "warmup": lad.warmup,
+                       "rows": lad.rows}, f, indent=2)
+
+
+def print_ladder(lad):
+    """The table of the rows, and the largest batches that fit."""
+    print("\nMFU (datasheet): fp32 rows against the plain fp32 peak (TF32 off), bf16 rows against the dense "
+          "bf16 peak; MFU (measured matmul): against the best square-matmul rate measured here in the row's "
+          "dtype.")
+    print("\n| version | batch | ms/step | img/s | TFLOP/s | TFLOP/s (torchinfo x3) | speedup | "
+          "MFU (datasheet) | MFU (measured matmul) | peak mem |\n|---|---|---|---|---|---|---|---|---|---|")
+    pct = lambda v: f"{100 * v:.2f}%" if v is not None else "n/a"  # noqa: E731
+    for r in lad.rows:
         if "skipped" in r:
-            print(f"| {r['patch_size']} | skipped: {r['skipped']} | | | | | | | | | |")
+            print(f"| {r['version']} | skipped: {r['skipped']} | | | | | | | | |")
             continue
-        r["speedup"] = r["img_per_s"] / base["img_per_s"]
-        r["flops_ratio"] = base["gflop_per_image"] / r["gflop_per_image"]
-        mem = f"{r['peak_memory_bytes'] / 2**30:.2f} GB" if r["peak_memory_bytes"] is not None else "n/a"
-        print(f"| {r['patch_size']} | {r['batch']} | {r['steps']} | {r['img_per_s']:.3g} | "
-              f"{r['s_per_img']:.3g} | {r['nfe_per_image']:.0f} | {r['nfe_per_s']:.3g} | "
-              f"{r['gflop_per_image']:,.1f} | {r['speedup']:.2f}x | {r['flops_ratio']:.2f}x | {mem} |")
-    return rows, interrupted
+        info = f"{r['tflops_torchinfo_x3']:.3f}" if r["tflops_torchinfo_x3"] else "n/a"
+        mem = f"{r['peak_mem_gb']:.1f} GB" if r["peak_mem_gb"] is not None else "n/a"
+        print(f"| {r['version']} | {r['batch']} | {r['step_ms']:.1f} | {r['img_per_s']:.1f} | "
+              f"{r['tflops']:.3f} | {info} | {r['speedup']:.2f}x | {pct(r['mfu_datasheet'])} | "
+              f"{pct(r['mfu_measured'])} | {mem} |")
+    fits = [r for r in lad.rows if "skipped" not in r and r["version"].endswith("largest batch")]
+    if fits and lad.scaled_by:  # the memory checkpointing and patching save, as the batch they let fit
+        print(f"\nLargest batch that fits (powers of two, eager step): {lad.scaled_batch} at P = "
+              f"{lad.mc.patch_size} (row '{lad.scaled_by}')"
+              + "".join(f"; {r['batch']} with '{r['version']}' ({r['batch'] / lad.scaled_batch:.3g}x)"
+                        for r in fits))
+
+
+def ladder(args, mc, device):
+    """The ladder on the device: every row measured or skipped (saved to --json after each measured row),
+    then the table. -> (rows, whether it was cut short)."""
+    gpu = device.type == "cuda"
+    base_batch = args.base_batch or (128 if gpu else 4)
+    iters, warmup = args.iters or (50 if gpu else 3), args.warmup or (10 if gpu else 1)
+    skip, only = row_names(args)
+    # the data: the built-in shapes at the preset's resolution, in memory and as a beton
+    images, labels, _ = data.shapes(max(4096, 4 * base_batch), mc.image_size)
+    lad = Ladder(args, mc, device, mfu.device_name(device), base_batch, iters, warmup, skip, only, images,
+                 labels)
+    print(f"# {args.preset} on {lad.device_name}, torch {torch.__version__}, {datetime.date.today()}\n")
+    interrupted = run_rows(lad)
+    save_ladder(lad)
+    print_ladder(lad)
+    return lad.rows, interrupted
 
 
 @torch.random.fork_rng(devices=[])  # building a model must not move the training RNG (exact resume)
@@ -371,7 +520,119 @@ def torchinfo_flops_per_image(mc):
     return stats.total_mult_adds * 2 * 3
 
 
-def main(argv=None):
+# -----------------------------------------------------------------------------
+# Sampling speed (--sample)
+
+SAMPLING_FIELDS = {"sampler", "guidance", "threshold"}  # TrainerConfig fields --sample takes as --field=value
+
+
+def time_sampling(mc, tc, device, precision, batch, steps):
+    """sample.py's speed figures for one batch of the sampler of `tc` with a random network of `mc`."""
+    import time
+
+    import sample
+
+    torch.manual_seed(0)
+    net = ddpm.autocast_model(UNet(mc).to(device).eval().requires_grad_(False), device, precision)
+    diffusion = ddpm.Diffusion(mc).to(device)
+    counted, evaluated = sample.counting(net)
+    y = (torch.arange(batch) % mc.num_classes).to(device) if mc.num_classes else None
+    shape = (batch, mc.channels, mc.image_size, mc.image_size)
+    kw = dict(sampler=tc.sampler, y=y, guidance=tc.guidance, threshold=tc.threshold)
+    diffusion.sample(net, shape, steps=min(2, steps or mc.timesteps), **kw)  # warm-up
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    diffusion.sample(counted, shape, steps=steps or None, generator=torch.Generator().manual_seed(0), **kw)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    speed = sample.sampling_speed(batch, evaluated[0], time.perf_counter() - t0, device)
+    if device.type != "cuda":  # the process's max RSS spans every row before this one: not per row
+        speed.update(peak_memory_bytes=None, peak_memory="n/a on the CPU")
+    return speed
+
+
+def sampling_table(mc, tc, device, patch_sizes, batch, steps):
+    """Sampling speed of the preset rebuilt at each patch size Q (benchmark.repatched: the same widths,
+    attention over the same image regions), with its sampler, guidance and thresholding: what sample.py
+    reports, per Q, plus the counted forward FLOPs per image. Random weights (speed does not depend on them),
+    eager, under the autocast sample.py uses. One untimed 2-step warm-up per Q; the clock stops after the
+    device has finished. -> (rows, whether it was cut short)."""
+    precision = runs.resolve_precision("auto", device)
+    rows, interrupted = [], False
+    for q in patch_sizes:
+        mcq = repatched(mc, q)
+        try:
+            ddpm.validate(mcq, tc)
+        except errors.UserError as e:
+            print(f"P = {q}: {e}")
+            rows.append({"patch_size": q, "skipped": str(e)})
+            continue
+        try:
+            speed = time_sampling(mcq, tc, device, precision, batch, steps)
+        except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
+            reason = f"failed: {type(e).__name__}: {errors.first_line(e)[:200]}"
+            print(f"P = {q}: {reason}")
+            rows.append({"patch_size": q, "skipped": reason})
+            free_memory(device)
+            continue
+        except KeyboardInterrupt:  # Ctrl-C, or gpu_bench.sh's cap: the table of the sizes measured so far
+            interrupted = True
+            print(f"\ninterrupted at P = {q}: the table has the patch sizes before it")
+            break
+        free_memory(device)
+        row = {"patch_size": q, "batch": batch, "sampler": tc.sampler, "steps": steps or mcq.timesteps,
+               "guidance": tc.guidance, "threshold": tc.threshold, "autocast": precision, **speed,
+               "gflop_per_image": mfu.forward_flops_per_image(mcq) * speed["nfe_per_image"] / 1e9}
+        rows.append(row)
+        print(f"P = {q}: {row['img_per_s']:.3g} img/s, {row['s_per_img']:.3g} s/image, "
+              f"{row['gflop_per_image']:,.1f} GFLOP/image", flush=True)
+    print_sampling_table(rows)
+    return rows, interrupted
+
+
+def print_sampling_table(rows):
+    """The table; each measured row is given its speedup and FLOPs ratio against P = 1 (or the first
+    measured)."""
+    measured = [r for r in rows if "skipped" not in r]
+    base = next((r for r in measured if r["patch_size"] == 1), measured[0] if measured else None)
+    print(f"\n| P | batch | steps | img/s | s/image | NFE/image | NFE/s | GFLOP/image | img/s vs P = "
+          f"{base['patch_size'] if base else 1} | FLOPs ratio | peak memory |\n" + "|---" * 11 + "|")
+    for r in rows:
+        if "skipped" in r:
+            print(f"| {r['patch_size']} | skipped: {r['skipped']} | | | | | | | | | |")
+            continue
+        r["speedup"] = r["img_per_s"] / base["img_per_s"]
+        r["flops_ratio"] = base["gflop_per_image"] / r["gflop_per_image"]
+        mem = f"{r['peak_memory_bytes'] / 2**30:.2f} GB" if r["peak_memory_bytes"] is not None else "n/a"
+        print(f"| {r['patch_size']} | {r['batch']} | {r['steps']} | {r['img_per_s']:.3g} | "
+              f"{r['s_per_img']:.3g} | {r['nfe_per_image']:.0f} | {r['nfe_per_s']:.3g} | "
+              f"{r['gflop_per_image']:,.1f} | {r['speedup']:.2f}x | {r['flops_ratio']:.2f}x | {mem} |")
+
+
+def sampling(args, overrides, mc, tc, device, patch_sizes):
+    """--sample: the table at each of --patch_sizes, written to --json (also when cut short).
+    -> (rows, whether it was cut short)."""
+    name = mfu.device_name(device)
+    print(f"# sampling, {args.preset} at P = {args.patch_sizes}, on {name}, "
+          f"torch {torch.__version__}, {datetime.date.today()}\n")
+    steps = tc.sample_steps if args.sample_steps < 0 else args.sample_steps
+    batch = args.sample_batch or (64 if device.type == "cuda" else 2)
+    rows, interrupted = sampling_table(mc, tc, device, patch_sizes, batch, steps)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"preset": args.preset, "overrides": overrides, "device": name,
+                       "torch": torch.__version__, "date": str(datetime.date.today()),
+                       "interrupted": interrupted, "rows": rows}, f, indent=2)
+    return rows, interrupted
+
+
+# -----------------------------------------------------------------------------
+# The command line
+
+
+def parser():
     p = argparse.ArgumentParser(description="The efficiency ladder with MFU. Any ModelConfig --field=value "
                                             "changes the preset's network, as in ddpm.py (--patch_size is "
                                             "benchmark.py's own); with --sample also --sampler=, "
@@ -408,207 +669,66 @@ def main(argv=None):
                                                                 "2 on the CPU")
     p.add_argument("--sample_steps", type=int, default=-1,
                    help="--sample: sampler steps; 0 = all T; -1 = the preset's sample_steps")
-    args, overrides = p.parse_known_args(argv)
-    if args.loaders:
-        try:
-            for name in ("loader_batch", "loader_workers", "epochs"):
-                if getattr(args, name) < 1:
-                    raise data.DataError(f"--{name} {getattr(args, name)}: must be >= 1")
-            return loader_bench(args.loaders, 32, args.loader_batch, args.loader_workers, args.epochs)
-        except data.DataError as e:
-            print(f"error: {e}", file=sys.stderr)
-            sys.exit(2)
-    try:
-        for name in ("batch", "base_batch", "iters", "warmup", "max_batch", "patch_size"):
-            lo = 1 if name in ("max_batch", "patch_size") else 0
-            if getattr(args, name) < lo:
-                raise ddpm.ConfigError(f"--{name} {getattr(args, name)}: must be >= {lo}")
-        if args.json:  # checked before minutes of measuring
-            folder = os.path.dirname(os.path.abspath(args.json))
-            if not os.path.isdir(folder) or not os.access(folder, os.W_OK) or os.path.isdir(args.json):
-                raise ddpm.ConfigError(f"--json {args.json}: cannot write there (does its folder exist?)")
-        device = ddpm.resolve_device(args.device)
-        # the rows set how the step runs; what the preset may change is the network and, for --sample, how
-        # it samples
-        allowed = set(ddpm.ModelConfig.__dataclass_fields__) | (SAMPLING_FIELDS if args.sample else set())
-        for o in overrides:
-            field = o[2:].partition("=")[0]
-            if not o.startswith("--") or "=" not in o:
-                raise ddpm.ConfigError(f"unrecognised argument {o}: preset fields are given as --field=value")
-            if field in ddpm.TrainerConfig.__dataclass_fields__ and field not in allowed:
-                also = ", ".join(sorted(SAMPLING_FIELDS))
-                raise ddpm.ConfigError(f"--{field}: here only ModelConfig fields change the preset (with "
-                                       f"--sample also {also}); the rows set the rest")
-        mc, tc, _ = ddpm.parse_args(["--preset", args.preset, *overrides])
-        patch_sizes = [q.strip() for q in args.patch_sizes.split(",")]
-        if not all(q.isdigit() and int(q) >= 1 for q in patch_sizes):
-            raise ddpm.ConfigError(f"--patch_sizes {args.patch_sizes}: give integers >= 1, e.g. 1,2,4,8")
-        if args.sample_batch < 0 or not -1 <= args.sample_steps <= mc.timesteps:
-            raise ddpm.ConfigError(f"--sample: need --sample_batch >= 0 and -1 <= --sample_steps <= "
-                                   f"timesteps = {mc.timesteps}")
-    except ddpm.ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    gpu = device.type == "cuda"
-    if not gpu:
-        ddpm.keep_freed_memory()  # as train() does on a CPU
-    device_name = torch.cuda.get_device_name(device) if gpu else ddpm.cpu_name()
-    if args.sample:
-        print(f"# sampling, {args.preset} at P = {args.patch_sizes}, on {device_name}, "
-              f"torch {torch.__version__}, {datetime.date.today()}\n")
-        steps = tc.sample_steps if args.sample_steps < 0 else args.sample_steps
-        batch = args.sample_batch or (64 if gpu else 2)
-        rows, interrupted = sampling_table(mc, tc, device, [int(q) for q in patch_sizes], batch, steps)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"preset": args.preset, "overrides": overrides, "device": device_name,
-                           "torch": torch.__version__, "date": str(datetime.date.today()),
-                           "interrupted": interrupted, "rows": rows}, f, indent=2)
-        if interrupted:
-            sys.exit(130)
-        return rows
-    base_batch = args.base_batch or (128 if gpu else 4)
-    iters, warmup = args.iters or (50 if gpu else 3), args.warmup or (10 if gpu else 1)
-    names = [name.replace("patch_size P", f"patch_size {args.patch_size}") for name, _ in LADDER]
-    skip, only = ({s.strip() for s in spec.split(",") if s.strip()} for spec in (args.skip, args.rows))
-    if (skip | only) - set(names):
-        print(f"error: no ladder row is called {', '.join(sorted((skip | only) - set(names)))}; the rows: "
-              f"{', '.join(names)}", file=sys.stderr)
-        sys.exit(2)
-    skip |= set(names) - only if only else set()
+    return p
 
-    # the data: the built-in shapes at the preset's resolution, in memory and as a beton
-    images, labels, _ = data.shapes(max(4096, 4 * base_batch), mc.image_size)
-    print(f"# {args.preset} on {device_name}, torch {torch.__version__}, {datetime.date.today()}\n")
 
-    def save(rows):
-        measured = [r for r in rows if "skipped" not in r]
-        for r in measured:
-            r["speedup"] = r["tflops"] / measured[0]["tflops"]
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"preset": args.preset, "device": device_name, "torch": torch.__version__,
-                           "date": str(datetime.date.today()), "iters": iters, "warmup": warmup,
-                           "rows": rows}, f, indent=2)
+def loaders(args):
+    """--loaders: the loader benchmark on an image folder."""
+    for name in ("loader_batch", "loader_workers", "epochs"):
+        if getattr(args, name) < 1:
+            raise errors.UserError(f"--{name} {getattr(args, name)}: must be >= 1")
+    return loader_bench(args.loaders, 32, args.loader_batch, args.loader_workers, args.epochs)
 
-    # a skipped baseline still gives every later row its starting point
-    rows, cfg, scaled_batch, scaled_by, interrupted, name = [], dict(LADDER[0][1]), None, None, False, None
-    try:  # a ladder cut short (Ctrl-C, or `timeout -s INT`) still prints the rows it measured
-        for name, change in LADDER:
-            alone = change.get("alone", False)
-            trial = {**cfg, **{k: v for k, v in change.items() if k != "alone"}}
-            name = name.replace("patch_size P", f"patch_size {args.patch_size}")
-            reason = None
-            if name in skip:
-                reason = "not in --rows" if only and name not in only else "skipped by --skip"
-            elif trial["loader"] == "ffcv" and not data.ffcv_available():
-                reason = "ffcv is not installed"
-            elif trial["precision"] == "bf16" and not (gpu and torch.cuda.is_bf16_supported()) and not (
-                    device.type == "cpu" and ddpm.cpu_has_bf16()):
-                reason = "no bf16 hardware on this device"
-            elif trial["compile"] and not gpu and not args.cpu_compile:
-                reason = "compiling takes minutes on the CPU; --cpu_compile includes it"
-            elif name == "compile max-autotune" and not args.autotune:
-                reason = "its kernel search takes many minutes; --autotune includes it"
-            elif trial["compile_mode"] == "reduce-overhead" and not gpu:
-                reason = "CUDA graphs need a GPU"
-            elif trial["compile_mode"] != "default" and not trial["compile"]:
-                reason = "needs the torch.compile row"
-            elif trial["precision"] == "fp16" and not gpu:
-                reason = "fp16 is for GPUs without bf16; a CPU emulates it (7x slower than bf16 here)"
-            elif alone and change.get("batch") == "max" and not gpu:
-                reason = "the largest-batch search needs a GPU (it stops at the first out-of-memory error)"
-            elif trial["accum_steps"] > 1 and (scaled_batch or base_batch) % trial["accum_steps"]:
-                reason = f"the batch does not split into {trial['accum_steps']} micro-batches"
-            if reason:
-                print(f"{name}: {reason}")
-                rows.append({"version": name, "skipped": reason})
-                continue
-            mc_row = repatched(mc, args.patch_size) if "patch_size" in trial else mc
-            if mc_row.patch_size != mc.patch_size:
-                try:
-                    ddpm.validate(mc_row, ddpm.TrainerConfig())
-                except ddpm.ConfigError as e:
-                    print(f"{name}: {e}")
-                    rows.append({"version": name, "skipped": str(e)})
-                    continue
-            try:
-                if trial["batch"] == "base":
-                    batch = base_batch
-                elif change.get("batch") == "max":
-                    if alone or (gpu and not args.batch):  # searched; a one-off row ignores --batch
-                        batch = largest_batch(mc_row, trial, device, images, labels, base_batch,
-                                              args.max_batch)
-                    else:
-                        batch = args.batch or 2 * base_batch
-                else:
-                    batch = scaled_batch or base_batch  # (the scaling row may have been skipped)
-                if len(images) < batch * (warmup + iters):
-                    images, labels, _ = data.shapes(batch * (warmup + iters), mc.image_size)
-                beton = None
-                if trial["loader"] == "ffcv":  # the same images as a beton, written once per size and reused
-                    beton, _ = data.beton_for("shapes", "", mc.image_size, data.BETON_DIR,
-                                              shapes_count=len(images))
-                ms, mem = time_steps(mc_row, trial, batch, device, images, labels, beton, warmup, iters)
-            # e.g. a compile mode this torch cannot do here
-            except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
-                reason = f"failed: {type(e).__name__}: {data.first_line(e)[:200]}"
-                print(f"{name}: {reason}")
-                rows.append({"version": name, "skipped": reason})
-                free_memory(device)  # a failed row adds nothing, as a skipped one
-                continue
-            free_memory(device)
-            if not alone:  # the row's change, and a batch it searched, carry on to the rows below
-                cfg = trial
-                if change.get("batch") == "max":
-                    scaled_batch, scaled_by = batch, name
-            flops = ddpm.train_flops_per_image(mc_row) * batch
-            info = torchinfo_flops_per_image(mc_row)
-            dtype = ddpm.AUTOCAST_DTYPES.get(trial["precision"], torch.float32)
-            sheet = ddpm.datasheet_peak(device, trial["precision"])
-            measured = ddpm.measure_matmul_flops(device, dtype)
-            row = {"version": name, "batch": batch, "precision": trial["precision"],
-                   "compile": trial["compile"], "compile_mode": trial["compile_mode"],
-                   "attention": trial["attention"], "channels_last": trial["channels_last"],
-                   "loader": trial["loader"], "accum_steps": trial["accum_steps"],
-                   "activation_checkpointing": trial["checkpointing"], "patch_size": mc_row.patch_size,
-                   "step_ms": ms, "img_per_s": batch / ms * 1e3, "tflops": flops / ms / 1e9,
-                   "tflops_torchinfo_x3": info * batch / ms / 1e9 if info else None,
-                   "mfu_datasheet": ddpm.mfu(flops, ms / 1e3, sheet) if sheet else None,
-                   "datasheet_peak_tflops": sheet / 1e12 if sheet else None,
-                   "mfu_measured": ddpm.mfu(flops, ms / 1e3, measured),
-                   "measured_peak_tflops": measured / 1e12, "peak_mem_gb": mem}
-            rows.append(row)
-            print(f"{name}: batch {batch}, {ms:.1f} ms/step, {row['img_per_s']:.1f} img/s, "
-                  f"{row['tflops']:.3f} TFLOP/s", flush=True)
-            save(rows)  # after every row, so a run cut short by a time limit keeps what it measured
-    except KeyboardInterrupt:
-        interrupted = True
-        print(f"\ninterrupted in the row {name!r}: the table has the rows before it")
 
-    save(rows)
-    print("\nMFU (datasheet): fp32 rows against the plain fp32 peak (TF32 off), bf16 rows against the dense "
-          "bf16 peak; MFU (measured matmul): against the best square-matmul rate measured here in the row's "
-          "dtype.")
-    print("\n| version | batch | ms/step | img/s | TFLOP/s | TFLOP/s (torchinfo x3) | speedup | "
-          "MFU (datasheet) | MFU (measured matmul) | peak mem |\n|---|---|---|---|---|---|---|---|---|---|")
-    pct = lambda v: f"{100 * v:.2f}%" if v is not None else "n/a"  # noqa: E731
-    for r in rows:
-        if "skipped" in r:
-            print(f"| {r['version']} | skipped: {r['skipped']} | | | | | | | | |")
-            continue
-        info = f"{r['tflops_torchinfo_x3']:.3f}" if r["tflops_torchinfo_x3"] else "n/a"
-        mem = f"{r['peak_mem_gb']:.1f} GB" if r["peak_mem_gb"] is not None else "n/a"
-        print(f"| {r['version']} | {r['batch']} | {r['step_ms']:.1f} | {r['img_per_s']:.1f} | "
-              f"{r['tflops']:.3f} | {info} | {r['speedup']:.2f}x | {pct(r['mfu_datasheet'])} | "
-              f"{pct(r['mfu_measured'])} | {mem} |")
-    fits = [r for r in rows if "skipped" not in r and r["version"].endswith("largest batch")]
-    if fits and scaled_by:  # the memory checkpointing and patching save, as the batch they let fit
-        print(f"\nLargest batch that fits (powers of two, eager step): {scaled_batch} at P = {mc.patch_size} "
-              f"(row '{scaled_by}')" + "".join(f"; {r['batch']} with '{r['version']}' "
-                                              f"({r['batch'] / scaled_batch:.3g}x)" for r in fits))
+def checked(args, overrides):
+    """The ladder's and --sample's arguments, checked before minutes of measuring.
+    -> (device, ModelConfig, TrainerConfig, the patch sizes of --sample)."""
+    for name in ("batch", "base_batch", "iters", "warmup", "max_batch", "patch_size"):
+        lo = 1 if name in ("max_batch", "patch_size") else 0
+        if getattr(args, name) < lo:
+            raise errors.UserError(f"--{name} {getattr(args, name)}: must be >= {lo}")
+    if args.json:
+        folder = os.path.dirname(os.path.abspath(args.json))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK) or os.path.isdir(args.json):
+            raise errors.UserError(f"--json {args.json}: cannot write there (does its folder exist?)")
+    device = runs.resolve_device(args.device)
+    # the rows set how the step runs; what the preset may change is the network and, for --sample, how it
+    # samples
+    allowed = set(ddpm.ModelConfig.__dataclass_fields__) | (SAMPLING_FIELDS if args.sample else set())
+    for o in overrides:
+        field = o[2:].partition("=")[0]
+        if not o.startswith("--") or "=" not in o:
+            raise errors.UserError(f"unrecognised argument {o}: preset fields are given as --field=value")
+        if field in ddpm.TrainerConfig.__dataclass_fields__ and field not in allowed:
+            also = ", ".join(sorted(SAMPLING_FIELDS))
+            raise errors.UserError(f"--{field}: here only ModelConfig fields change the preset (with "
+                                   f"--sample also {also}); the rows set the rest")
+    mc, tc, _ = ddpm.parse_args(["--preset", args.preset, *overrides])
+    patch_sizes = [q.strip() for q in args.patch_sizes.split(",")]
+    if not all(q.isdigit() and int(q) >= 1 for q in patch_sizes):
+        raise errors.UserError(f"--patch_sizes {args.patch_sizes}: give integers >= 1, e.g. 1,2,4,8")
+    if args.sample_batch < 0 or not -1 <= args.sample_steps <= mc.timesteps:
+        raise errors.UserError(f"--sample: need --sample_batch >= 0 and -1 <= --sample_steps <= "
+                               f"timesteps = {mc.timesteps}")
+    return device, mc, tc, [int(q) for q in patch_sizes]
+
+
+def main(argv=None):
+    """-> the rows measured. Bad arguments: one `error:` line, exit status 2; a ladder or table cut short
+    (Ctrl-C, or `timeout -s INT`) prints and saves what it measured, then exits with 130."""
+    args, overrides = parser().parse_known_args(argv)
+    with errors.reported():
+        if args.loaders:
+            return loaders(args)
+        device, mc, tc, patch_sizes = checked(args, overrides)
+        if device.type != "cuda":
+            mfu.keep_freed_memory()  # as train() does on a CPU (runs.set_up_cpu)
+        if args.sample:
+            rows, interrupted = sampling(args, overrides, mc, tc, device, patch_sizes)
+        else:
+            rows, interrupted = ladder(args, mc, device)
     if interrupted:
-        sys.exit(130)  # an incomplete ladder is not a success
+        sys.exit(130)  # an incomplete ladder or table is not a success
     return rows
 
 

@@ -731,7 +731,7 @@ class Sampler:
 def sampler(name, spacing="time"):
     """Register the decorated function in SAMPLERS under `name`."""
     def register(run):
-        SAMPLERS[name] = Sampler(run, spacing, run.__doc__.strip().splitlines()[0])
+        SAMPLERS[name] = Sampler(run, spacing, (run.__doc__ or name).strip().splitlines()[0])
         return run
     return register
 
@@ -743,8 +743,7 @@ def transitions(ts):
 
 @sampler("ddpm")
 def ddpm_ancestral(d, denoise, z, ts, noise, eta):
-    """Ancestral sampling (Ho et al. Algorithm 2); on fewer than T steps, the respaced chain (Nichol &
-    Dhariwal 2021 §4).
+    """Ancestral sampling (Ho et al. Algorithm 2), respaced on fewer than T steps (Nichol & Dhariwal §4).
 
     z_s = μ̃(x̂₀, z_t) + σ ε through the posterior of eq. 7 with x̂₀ plugged in (q_posterior, which also
     serves s < t-1), and σ² = β_{t|s} ('large') or β̃ ('small': ModelConfig.reverse_variance).
@@ -761,7 +760,7 @@ def ddpm_ancestral(d, denoise, z, ts, noise, eta):
 
 @sampler("ddim")
 def ddim(d, denoise, z, ts, noise, eta):
-    """DDIM (Song et al. 2021 eq. 12); deterministic at eta = 0.
+    """DDIM (Song et al. 2021 eq. 12) on evenly spaced steps; deterministic at eta = 0.
 
     z_s = √ᾱ_s x̂₀ + √(1 - ᾱ_s - σ²) ε̂ + σ ε with σ = η √((1-ᾱ_s)/(1-ᾱ_t)) √(1 - ᾱ_t/ᾱ_s).
     """
@@ -778,7 +777,7 @@ def ddim(d, denoise, z, ts, noise, eta):
 
 @sampler("dpm++", spacing="logsnr")
 def dpm_solver_pp_2m(d, denoise, z, ts, noise, eta):
-    """DPM-Solver++(2M) (Lu et al. 2022, Algorithm 2), on timesteps evenly spaced in λ.
+    """DPM-Solver++(2M) (Lu et al. 2022, Algorithm 2) on steps evenly spaced in log-SNR.
 
     With α = √ᾱ, σ = √(1-ᾱ), λ = log(α/σ) and h = λ_s - λ_t: z_s = (σ_s/σ_t) z_t - α_s (e^{-h} - 1) D, where
     D = x̂₀ on the first step and (1 + 1/2r) x̂₀ - (1/2r) x̂₀_prev after, r = h_prev/h.
@@ -798,7 +797,7 @@ def dpm_solver_pp_2m(d, denoise, z, ts, noise, eta):
 
 @sampler("heun", spacing="karras")
 def heun(d, denoise, z, ts, noise, eta):
-    """Heun's 2nd-order ODE solver (Karras et al. 2022 Algorithm 1, no churn), 2 network calls a step.
+    """Heun's 2nd-order ODE solver (Karras et al. 2022 Algorithm 1, no churn): 2 network calls a step.
 
     In x = z/√ᾱ the DDPM process is x = x₀ + σ ε with σ(t) = √((1-ᾱ)/ᾱ), and the probability-flow ODE is
     dx/dσ = (x - D(x; σ))/σ = ε̂. An Euler step to σ_s, then the trapezoid of ε̂ at both ends; the last
@@ -1023,7 +1022,8 @@ def set_up(mc, tc, preset):
                                        with_labels=mc.num_classes > 0, shapes_count=tc.shapes_count,
                                        beton_dir=tc.beton_dir, num_workers=tc.num_workers)
     if mc.num_classes > 0 and mc.num_classes != data_classes:
-        raise UserError(f"num_classes={mc.num_classes}, but dataset '{tc.dataset}' has {data_classes} classes")
+        raise UserError(f"num_classes={mc.num_classes}, but dataset '{tc.dataset}' has "
+                        f"{data_classes} classes")
     torch.manual_seed(tc.seed)  # after the data set-up, whose libraries may draw from the global RNG
     runs.set_up_cpu(device, tc.cpu_threads, say)
     b = build(mc, tc, device, world)
@@ -1035,7 +1035,8 @@ def set_up(mc, tc, preset):
             b.model.load_state_dict(src.state_dict())
             b.ema.load_state_dict(src.state_dict())
         except RuntimeError as e:
-            raise UserError(f"--init_from {tc.init_from}: weights do not fit this model ({first_line(e)})") from None
+            raise UserError(f"--init_from {tc.init_from}: weights do not fit this model "
+                            f"({first_line(e)})") from None
         differ = [f"{k}={v!r}" for k, v in asdict(src_mc).items() if getattr(mc, k) != v]
         say(f"initialised from {tc.init_from}" + (f" (a model with {', '.join(differ)})" if differ else ""))
     if tc.resume:
@@ -1061,12 +1062,13 @@ def record(run, mc, tc, preset):
                 "dataset_images": run.loader.n, "loader": type(run.loader).__name__}
     info = {"preset": preset, "model": asdict(mc), "trainer": asdict(tc), "resolved": resolved,
             "environment": runs.environment(run.device)}
-    runs.write_json(os.path.join(run.out_dir, f"config-resume-{run.step}.json" if tc.resume else "config.json"),
-                    info)
+    name = f"config-resume-{run.step}.json" if tc.resume else "config.json"
+    runs.write_json(os.path.join(run.out_dir, name), info)
     print(f"{run.out_dir}: {n_params / 1e6:.2f}M parameters, {run.loader.n} images "
           f"({type(run.loader).__name__}), {run.world} x {run.device} {b.precision} "
-          f"{'NHWC' if b.channels_last else 'NCHW'}, {run.flops_per_step / tc.batch_size / 1e9:.3g} GFLOP/image "
-          f"fwd+bwd counted, MFU against {run.peak / 1e12:.3g} TFLOP/s per device ({run.peak_source})")
+          f"{'NHWC' if b.channels_last else 'NCHW'}, "
+          f"{run.flops_per_step / tc.batch_size / 1e9:.3g} GFLOP/image fwd+bwd counted, "
+          f"MFU against {run.peak / 1e12:.3g} TFLOP/s per device ({run.peak_source})")
 
 
 def log_interval(run, tc, step, lr, tally, grad_norm, step_times_ms, t_start):
@@ -1085,9 +1087,9 @@ def log_interval(run, tc, step, lr, tally, grad_norm, step_times_ms, t_start):
         runs.append_metrics(run.out_dir, row)
     run.skipped += t["skipped"]
     if t["longest_run"] >= tc.max_nonfinite_steps:
-        raise UserError(f"{t['longest_run']} consecutive steps had a non-finite loss or gradient (up to step "
-                        f"{step}), all skipped; stopping. The checkpoints in {run.out_dir} hold finite weights "
-                        "from before them: lower --lr or check the data, then --resume", RUN_STOPPED)
+        raise UserError(f"{t['longest_run']} consecutive steps had a non-finite loss or gradient (up to "
+                        f"step {step}), all skipped; stopping. The checkpoints in {run.out_dir} hold finite "
+                        "weights from before them: lower --lr or check the data, then --resume", RUN_STOPPED)
     return row
 
 
@@ -1132,7 +1134,7 @@ def train(mc, tc, preset="custom"):
     b, step, lead = run.built, run.step, run.rank == 0
     say = print if lead else (lambda *args, **kwargs: None)
     timer = mfu.StepTimer(run.device)
-    timing_warmup = step + 5  # the first steps after (re)start (compilation, allocator warm-up): off the clock
+    timing_warmup = step + 5  # the first steps after (re)start (compiling, allocator warm-up): off the clock
     tally = runs.Tally(run.device)  # the log interval's loss sums and skipped steps, on the device
     start_step, t_start = step, time.time()
 
@@ -1170,7 +1172,8 @@ def train(mc, tc, preset="custom"):
                 row = {"step": step, **run.evaluator(autocast_model(b.ema, run.device, b.precision), b.ema)}
                 if lead:
                     runs.append_metrics(run.out_dir, row)
-                say(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
+                say(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                               for k, v in row.items()))
             if last_step:
                 break
 

@@ -44,8 +44,8 @@ def measure_matmul_flops(device, dtype):
     """The best FLOP/s of square matmuls in `dtype` on `device`: the practical peak MFU is measured against.
 
     The size grows until one matmul takes >= 50 ms (or n = 8192), so slow paths stay quick to measure.
-    The best of two sweeps: on a shared machine one sweep can land in a slow spell (seen once on the CPU:
-    half the usual rate, which would have doubled every MFU figure of that run).
+    The best of two sweeps: on a shared machine one sweep can land in a slow spell, which would inflate
+    every MFU figure of the run.
     """
     key = (str(device), dtype)
     if key not in _matmul_cache:
@@ -178,7 +178,7 @@ def keep_freed_memory():
 
 
 def device_name(device):
-    """The GPU's name, or the CPU's model name from /proc/cpuinfo: what every benchmark row is labelled with."""
+    """The GPU's name, or the CPU's model name from /proc/cpuinfo: the label of every benchmark's rows."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     try:

@@ -64,8 +64,8 @@ def set_matmul_precision(precision):
 
 def resolve_channels_last(channels_last, device, precision):
     """'auto' -> NHWC, the layout tensor-core and oneDNN fp32 convolutions want, except for bf16 on a CPU:
-    there the convolutions run as fast in NCHW, and ATen's NHWC GroupNorm is ~6x slower than its NCHW one
-    (measured on an AVX512-BF16 CPU: the 'ho' step 5-10% faster in NCHW; BENCHMARKS.md)."""
+    there the convolutions run as fast in NCHW and ATen's NHWC GroupNorm is far slower than its NCHW one,
+    so the step is faster in NCHW (BENCHMARKS.md)."""
     if channels_last != "auto":
         return channels_last == "true"
     return not (device.type == "cpu" and precision == "bf16")
@@ -76,8 +76,8 @@ def memory_format(channels_last):
 
 
 def resolve_compile(compile, device):
-    """'auto' -> compile on a GPU only. On a CPU, compiling the 'ho' step took 3.6 minutes on 2 AVX512-BF16
-    cores and the compiled step ran 0.89x eager's speed (and 0.96-0.98x in earlier runs; BENCHMARKS.md)."""
+    """'auto' -> compile on a GPU only: on a CPU compiling takes minutes and the compiled step has measured
+    no faster than eager (BENCHMARKS.md)."""
     if compile != "auto":
         return compile == "true"
     return device.type == "cuda"
@@ -144,8 +144,8 @@ def gather_rows(x, rank, world):
 
 
 def prepare_run_folder(out_dir, preset, resume, world):
-    """-> the run folder, made if need be: out_dir, or runs/<preset>-<date>-<time>. A folder that already holds
-    a checkpoint is continued only with --resume, and --resume needs one."""
+    """-> the run folder, made if need be: out_dir, or runs/<preset>-<date>-<time>. A folder that already
+    holds a checkpoint is continued only with --resume, and --resume needs one."""
     if world > 1 and not out_dir:
         raise UserError("under torchrun, give --out_dir (every rank must name the same run folder)")
     out_dir = out_dir or os.path.join("runs", f"{preset}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -322,7 +322,8 @@ def atomic_save(obj, path, keep_previous=False):
         with contextlib.suppress(OSError):
             os.remove(tmp)
         reason = e.strerror if isinstance(e, OSError) and e.strerror else first_line(e)
-        raise UserError(f"could not write {path} ({reason}); the previous checkpoint is intact", RUN_STOPPED) from None
+        raise UserError(f"could not write {path} ({reason}); the previous checkpoint is intact",
+                        RUN_STOPPED) from None
     if keep_previous and os.path.exists(path):
         os.replace(path, previous_path(path))
     os.replace(tmp, path)
@@ -335,8 +336,9 @@ def save_checkpoints(out_dir, step, model, ema, mc, tc, **state):
     finite = torch.stack([torch.isfinite(p).all() for p in [*model.parameters(), *ema.parameters()]]).all()
     # a sync, once per checkpoint; a finite step can still overflow the weights (huge lr)
     if not finite.item():
-        raise UserError(f"the weights are no longer finite at step {step}; {os.path.join(out_dir, 'ckpt.pt')} "
-                        "is left as it was (lower --lr, then --resume)", RUN_STOPPED)
+        raise UserError(f"the weights are no longer finite at step {step}; "
+                        f"{os.path.join(out_dir, 'ckpt.pt')} is left as it was (lower --lr, then --resume)",
+                        RUN_STOPPED)
     on_gpu = next(model.parameters()).device.type == "cuda"
     rng = {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if on_gpu else []}
     configs = {"model_config": asdict(mc), "trainer_config": asdict(tc), "step": step}

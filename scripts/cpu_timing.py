@@ -1,4 +1,5 @@
-"""Shared by the scripts/cpu_vs_*.py comparisons: contention-aware, interleaved timing of training steps on the CPU.
+"""Shared by the scripts/cpu_vs_*.py comparisons: contention-aware, interleaved timing of training steps on
+the CPU.
 
 A comparison builds one row per configuration, a dict with at least
     config (name), family ('ours' or 'theirs'), batch, precision ('fp32' or 'bf16'), flops_per_image,
@@ -9,12 +10,13 @@ then calls
     peaks32, peaks16 = summarize(rows, contended, peaks32, peaks16)
 and prints the table from the keys summarize adds (step_ms, img_per_s, gflops, frac_of_peak, ...).
 
-Timing: the timed rounds interleave the configurations (ABCABC...), so slow drift and load from other processes
-fall on all of them alike. Each step records how many cores other processes kept busy meanwhile (/proc/stat minus
-this process's CPU time). On 2 cores one busy neighbour makes the 2-thread step several times slower (each
-parallel region waits for a descheduled thread), so a step with others > `contended` cores counts as contended:
-after `timed` rounds, the configurations short of `timed` uncontended steps run again (within `budget_s`), and the
-median is taken over the uncontended steps where there are two or more, else over all of them (flagged).
+Timing: the timed rounds interleave the configurations (ABCABC...), so slow drift and load from other
+processes fall on all of them alike. Each step records how many cores other processes kept busy meanwhile
+(/proc/stat minus this process's CPU time). On 2 cores one busy neighbour makes the 2-thread step several
+times slower (each parallel region waits for a descheduled thread), so a step with others > `contended` cores
+counts as contended: after `timed` rounds, the configurations short of `timed` uncontended steps run again
+(within `budget_s`), and the median is taken over the uncontended steps where there are two or more, else over
+all of them (flagged).
 """
 import datetime
 import importlib.metadata
@@ -31,6 +33,8 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
+import mfu  # noqa: E402
+
 CPU = torch.device("cpu")
 
 
@@ -42,7 +46,8 @@ def version(pkg):
 
 
 class LoadMeter:
-    """Cores kept busy by other processes between start() and stop(): all busy jiffies minus our own CPU time."""
+    """Cores kept busy by other processes between start() and stop(): all busy jiffies minus our own CPU
+    time."""
 
     HZ = os.sysconf("SC_CLK_TCK")
 
@@ -78,19 +83,23 @@ def measure(fn):
 def git_state():
     """HEAD and whether tracked files differ from it (read-only git calls): what 'ours' was measured at."""
     try:
-        run = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()  # noqa: E731
-        return {"head": run("rev-parse", "HEAD") or None, "dirty": bool(run("status", "--porcelain", "--untracked-files=no"))}
+        def run(*a):
+            return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True,
+                                  timeout=10).stdout.strip()
+
+        return {"head": run("rev-parse", "HEAD") or None,
+                "dirty": bool(run("status", "--porcelain", "--untracked-files=no"))}
     except (OSError, subprocess.SubprocessError):
         return None
 
 
 def environment(threads, packages):
     """Date, git state, CPU, threads, torch and the given packages' versions."""
-    import ddpm
-
-    return {"date": str(datetime.date.today()), "utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
-            "git": git_state(), "cpu": ddpm.cpu_name(), "cores": os.cpu_count(), "threads": threads,
-            "cpu_bf16_hardware": ddpm.cpu_has_bf16(), "torch": torch.__version__, **{k: version(k) for k in packages}}
+    return {"date": str(datetime.date.today()),
+            "utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
+            "git": git_state(), "cpu": mfu.device_name(CPU), "cores": os.cpu_count(), "threads": threads,
+            "cpu_bf16_hardware": mfu.cpu_has_bf16(), "torch": torch.__version__,
+            **{k: version(k) for k in packages}}
 
 
 def count_flops(fn, per):
@@ -103,25 +112,25 @@ def count_flops(fn, per):
 
 
 def measure_peaks():
-    """-> ([fp32 matmul FLOP/s], [bf16 matmul FLOP/s]) as ddpm.measure_matmul_flops measures them; summarize
+    """-> ([fp32 matmul FLOP/s], [bf16 matmul FLOP/s]) as mfu.measure_matmul_flops measures them; summarize
     measures each again after the timed steps and keeps the better."""
-    import ddpm
-
-    return [ddpm.measure_matmul_flops(CPU, torch.float32)], [ddpm.measure_matmul_flops(CPU, torch.bfloat16)]
+    return [mfu.measure_matmul_flops(CPU, torch.float32)], [mfu.measure_matmul_flops(CPU, torch.bfloat16)]
 
 
 def warm_up(rows):
-    """Build every row's step (row['_build']() -> (step, parameter count)) and run its row['warmup'] untimed steps."""
+    """Build every row's step (row['_build']() -> (step, parameter count)) and run its row['warmup'] untimed
+    steps."""
     for row in rows:
         row["_step"], row["params"] = row.pop("_build")()
         row["warmup_s"] = [measure(row["_step"])[0] for _ in range(row["warmup"])]
         row.update(steps_s=[], own_cores=[], other_cores=[])
-        print(f"warm-up {row['config']}: " + ", ".join(f"{w:.1f}" for w in row["warmup_s"]) + " s", flush=True)
+        print(f"warm-up {row['config']}: " + ", ".join(f"{w:.1f}" for w in row["warmup_s"]) + " s",
+              flush=True)
 
 
 def run_interleaved(rows, contended, budget_s):
-    """Timed rounds, interleaved; past row['timed'] rounds, only the rows short of row['timed'] uncontended steps run
-    again, while the budget_s of the timed phase lasts."""
+    """Timed rounds, interleaved; past row['timed'] rounds, only the rows short of row['timed'] uncontended
+    steps run again, while the budget_s of the timed phase lasts."""
     t_timed, r = time.time(), 0
     while True:
         ran = False
@@ -134,19 +143,20 @@ def run_interleaved(rows, contended, budget_s):
             row["own_cores"].append(own)
             row["other_cores"].append(other)
             ran = True
-            print(f"round {r}: {row['config']}: {wall:.2f} s (cores: ours {own:.2f}, others {other:.2f})", flush=True)
+            print(f"round {r}: {row['config']}: {wall:.2f} s (cores: ours {own:.2f}, others {other:.2f})",
+                  flush=True)
         if not ran:
             return
         r += 1
 
 
 def summarize(rows, contended, peaks32, peaks16):
-    """Measure the matmul peaks again (a neighbour may have slowed the first measurement) and keep the best; add each
-    row's median step (uncontended steps where there are two or more), img/s, counted GFLOP/s and fraction of the
-    peak in its precision. Drops the step functions. -> (peaks32, peaks16) with the second measurement appended."""
-    import ddpm
-
-    peaks32, peaks16 = peaks32 + [ddpm._time_matmuls(CPU, torch.float32)], peaks16 + [ddpm._time_matmuls(CPU, torch.bfloat16)]
+    """Measure the matmul peaks again (a neighbour may have slowed the first measurement) and keep the best;
+    add each row's median step (uncontended steps where there are two or more), img/s, counted GFLOP/s and
+    fraction of the peak in its precision. Drops the step functions. -> (peaks32, peaks16) with the second
+    measurement appended."""
+    peaks32 = peaks32 + [mfu.time_matmuls(CPU, torch.float32)]
+    peaks16 = peaks16 + [mfu.time_matmuls(CPU, torch.bfloat16)]
     peak32, peak16 = max(peaks32), max(peaks16)
     for row in rows:
         row.pop("_step", None)
@@ -173,7 +183,8 @@ def steps_used(row):
 
 
 def peak_cell(row):
-    """The table's 'of matmul peak' cell: the fraction of the peak in the row's precision (and of fp32 for bf16)."""
+    """The table's 'of matmul peak' cell: the fraction of the peak in the row's precision (and of fp32 for
+    bf16)."""
     cell = f"{100 * row['frac_of_peak']:.0f}% ({row['precision']})"
     if row["precision"] == "bf16":
         cell += f", {100 * row['frac_of_fp32_peak']:.0f}% of fp32"
@@ -184,31 +195,34 @@ def peak_cell(row):
 
 def add_args(p):
     """The options every comparison has: --warmup, --timed, --contended, --budget_s, --threads, --json."""
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per configuration (compilation included)")
+    p.add_argument("--warmup", type=int, default=2,
+                   help="untimed steps per configuration (compilation included)")
     p.add_argument("--timed", type=int, default=5, help="timed, interleaved rounds")
     p.add_argument("--contended", type=float, default=0.25,
-                   help="a timed step during which other processes kept more than this many cores busy is contended")
+                   help="a timed step during which other processes kept more than this many cores busy is "
+                        "contended")
     p.add_argument("--budget_s", type=float, default=300,
-                   help="seconds the timed phase may run on past --timed rounds, re-running configurations that have "
-                        "fewer than --timed uncontended steps")
+                   help="seconds the timed phase may run on past --timed rounds, re-running configurations "
+                        "that have fewer than --timed uncontended steps")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     p.add_argument("--json", help="write every measurement to this file")
 
 
 def print_counts(env, peaks32, peaks16, theirs_flops, ours_flops, ours_meta_flops):
-    print(f"fp32 matmul peak (measured): {peaks32[0] / 1e9:.1f} GFLOP/s; bf16: {peaks16[0] / 1e9:.2f} GFLOP/s "
+    print(f"fp32 matmul peak (measured): {peaks32[0] / 1e9:.1f} GFLOP/s; "
+          f"bf16: {peaks16[0] / 1e9:.2f} GFLOP/s "
           f"(bf16 hardware: {env['cpu_bf16_hardware']})")
     print(f"counted training GFLOP/image: theirs {theirs_flops / 1e9:.2f}, ours {ours_flops / 1e9:.2f} "
-          f"(ddpm.train_flops_per_image: {ours_meta_flops / 1e9:.2f})", flush=True)
+          f"(mfu.train_flops_per_image: {ours_meta_flops / 1e9:.2f})", flush=True)
 
 
 def finish(args, t_start, env, peaks32, peaks16, flops, rows, **extra):
     """A note naming the rows timed under contention; every measurement to args.json (when given).
-    flops = (theirs, ours, ours by ddpm.train_flops_per_image), per image."""
+    flops = (theirs, ours, ours by mfu.train_flops_per_image), per image."""
     noisy = [row["config"] for row in rows if row["steps_used"] == "all"]
     if noisy:
-        print(f"\nnote: fewer than 2 uncontended steps (others <= {args.contended} cores), median over all steps, for: "
-              f"{', '.join(noisy)}: treat those as noisy")
+        print(f"\nnote: fewer than 2 uncontended steps (others <= {args.contended} cores), median over all "
+              f"steps, for: {', '.join(noisy)}: treat those as noisy")
     if not args.json:
         return
     with open(args.json, "w") as f:

@@ -1,55 +1,58 @@
 """Training-step FLOP/s on the CPU, side by side: this repo against denoising-diffusion-pytorch (lucidrains).
 
-    pip install --no-deps denoising-diffusion-pytorch einops ema-pytorch accelerate pytorch-fid safetensors pyyaml
-    .venv/bin/python scripts/cpu_vs_ddpm_pytorch.py --json cpu_vs_ddpm_pytorch.json      # ~3 min on 2 AVX512-BF16 cores
-    .venv/bin/python scripts/cpu_vs_ddpm_pytorch.py --ours eager:16,cl:16 --no_bf16      # fp32 only (on CPUs without bf16)
+    pip install --no-deps denoising-diffusion-pytorch einops ema-pytorch accelerate pytorch-fid
+    pip install --no-deps safetensors pyyaml
+    # ~3 min on 2 AVX512-BF16 cores
+    .venv/bin/python scripts/cpu_vs_ddpm_pytorch.py --json cpu_vs_ddpm_pytorch.json
+    # fp32 only (on CPUs without bf16)
+    .venv/bin/python scripts/cpu_vs_ddpm_pytorch.py --ours eager:16,cl:16 --no_bf16
 
-(Minutes more with a 'compile' configuration: the first torch.compile of the UNet takes 3-5 min on 2 cores; and
-contention from other processes lengthens a run by up to --budget_s.)
+(Minutes more with a 'compile' configuration: the first torch.compile of the UNet takes 3-5 min on 2 cores;
+and contention from other processes lengthens a run by up to --budget_s.)
 
 (--no-deps each time, so the installed torch is never replaced.) Without denoising_diffusion_pytorch the
 script prints one line and exits 0.
 
 Configurations, all at 32x32 (CIFAR-10), in one process, with torch.set_num_threads(--threads):
   theirs fp32       Unet(dim=64, dim_mults=(1, 2, 4, 8), flash_attn=True) and GaussianDiffusion(image_size=32,
-                    timesteps=1000) as in the package README (its defaults: pred_v, sigmoid schedule), trained as
-                    its Trainer's defaults do: batch 16, amp=False, Adam(lr 1e-4, betas (0.9, 0.99)), loss.item()
-                    every step, clip_grad_norm_ 1.0, opt.step, zero_grad, ema_pytorch.EMA(beta 0.995,
-                    update_every 10).update(). Not timed: its DataLoader (ours is not timed either).
+                    timesteps=1000) as in the package README (its defaults: pred_v, sigmoid schedule), trained
+                    as its Trainer's defaults do: batch 16, amp=False, Adam(lr 1e-4, betas (0.9, 0.99)),
+                    loss.item() every step, clip_grad_norm_ 1.0, opt.step, zero_grad, ema_pytorch.EMA(beta
+                    0.995, update_every 10).update(). Not timed: its DataLoader (ours is not timed either).
   theirs fp32+cl    the same with the model and input in channels_last.
   theirs bf16+cl    the same under torch.autocast('cpu', bfloat16) (what Trainer(amp=True,
-                    mixed_precision_type='bf16') does on a CPU); without AVX512-BF16/AMX, where bf16 is emulated
-                    and slow, with fewer timed steps (--bf16_timed).
-  ours MODE:BATCH   ddpm.train_step + ddpm.ema_update on UNet(ModelConfig()) (Ho et al., 35.7M, dropout 0.1), SDPA,
-                    fused AdamW as ddpm.make_optimizer builds it. MODE is eager (fp32, NCHW) or any of cl
-                    (channels_last), bf16 (autocast, as --precision=bf16) and compile (torch.compile(model))
-                    joined by '+', e.g. bf16+cl.
+                    mixed_precision_type='bf16') does on a CPU); without AVX512-BF16/AMX, where bf16 is
+                    emulated and slow, with fewer timed steps (--bf16_timed).
+  ours MODE:BATCH   ddpm.train_step + ddpm.ema_update on UNet(ModelConfig()) (Ho et al., 35.7M, dropout 0.1),
+                    SDPA, the model, EMA and fused optimizer of ddpm.build. MODE is eager (fp32, NCHW) or
+                    any of cl (channels_last), bf16 (autocast, as --precision=bf16) and compile
+                    (torch.compile(model)) joined by '+', e.g. bf16+cl.
 
-FLOPs are counted by torch.utils.flop_counter on a real forward + backward of each package's training loss on the
-CPU at batch 2 (per image = total / 2), with math attention in both, because the counter does not see the CPU
-flash-SDPA kernel (the counted model is otherwise identical to the timed one). FLOP/s = counted FLOPs per step /
-median step time; "of peak" is against the best square fp32 (or bf16) matmul rate (ddpm.measure_matmul_flops),
-measured before and after the timed steps, the better of the two. Without bf16 hardware, oneDNN's bf16
-convolutions (~7 GFLOP/s on an AVX2 CPU) outrun its emulated bf16 matmul (~1.3 GFLOP/s), so the bf16 row's fraction of
-the bf16 peak can pass 100%; its fraction of the fp32 peak is printed beside it.
+FLOPs are counted by torch.utils.flop_counter on a real forward + backward of each package's training loss on
+the CPU at batch 2 (per image = total / 2), with math attention in both, because the counter does not see the
+CPU flash-SDPA kernel (the counted model is otherwise identical to the timed one). FLOP/s = counted FLOPs per
+step / median step time; "of peak" is against the best square fp32 (or bf16) matmul rate
+(mfu.measure_matmul_flops), measured before and after the timed steps, the better of the two. Without bf16
+hardware, oneDNN's bf16 convolutions (~7 GFLOP/s on an AVX2 CPU) outrun its emulated bf16 matmul (~1.3
+GFLOP/s), so the bf16 row's fraction of the bf16 peak can pass 100%; its fraction of the fp32 peak is printed
+beside it.
 
-Measured (2026-12-02, torch 2.14.1, denoising-diffusion-pytorch 2.3.4; both models 35.7M parameters; theirs 10.9,
-ours 37.3 counted GFLOP per training image; every run in BENCHMARKS.md):
-  2 cores AMD EPYC with AVX512-BF16, four runs: theirs fp32 104-131 GFLOP/s, theirs bf16+cl 155-178; ours bf16
-  (NCHW) 265-300 at batch 16 and 277-308 at batch 32, ours fp32 (channels_last) 164-175: ours bf16 b32 2.52-2.95x
-  theirs fp32 (goal 2.5x; b16 2.29-2.57x), our best 1.69-1.84x theirs bf16+cl (goal 1.2x).
+Measured (2026-12-02, torch 2.14.1, denoising-diffusion-pytorch 2.3.4; both models 35.7M parameters; theirs
+10.9, ours 37.3 counted GFLOP per training image; every run in BENCHMARKS.md):
+  2 cores AMD EPYC with AVX512-BF16, four runs: theirs fp32 104-131 GFLOP/s, theirs bf16+cl 155-178; ours
+  bf16 (NCHW) 265-300 at batch 16 and 277-308 at batch 32, ours fp32 (channels_last) 164-175: ours bf16 b32
+  2.52-2.95x theirs fp32 (goal 2.5x; b16 2.29-2.57x), our best 1.69-1.84x theirs bf16+cl (goal 1.2x).
   2 cores AMD EPYC AVX2 only, two runs: theirs fp32 52-54, theirs bf16+cl 5.6 (emulated); ours fp32 73-80:
   1.4-1.5x theirs fp32.
 
 Timing (scripts/cpu_timing.py, shared with cpu_vs_diffusers.py): --warmup untimed steps per configuration
-(compilation included; its time is printed), then --timed rounds that interleave the configurations (ABCABC...).
-Each step records how many cores other processes kept busy meanwhile (/proc/stat minus this process's CPU time); a
-step with others > --contended counts as contended: after --timed rounds, the configurations short of --timed
-uncontended steps run again (within --budget_s), and the median is taken over the uncontended steps where there are
-two or more, else over all of them (flagged in the table).
+(compilation included; its time is printed), then --timed rounds that interleave the configurations
+(ABCABC...). Each step records how many cores other processes kept busy meanwhile (/proc/stat minus this
+process's CPU time); a step with others > --contended counts as contended: after --timed rounds, the
+configurations short of --timed uncontended steps run again (within --budget_s), and the median is taken over
+the uncontended steps where there are two or more, else over all of them (flagged in the table).
 """
 import argparse
-import copy
 import importlib
 import time
 
@@ -70,7 +73,8 @@ def build_theirs(batch, channels_last, bf16, flash=True):
 
     torch.manual_seed(0)
     unet = Unet(dim=64, dim_mults=(1, 2, 4, 8), flash_attn=flash)  # the README's model
-    diffusion = GaussianDiffusion(unet, image_size=IMAGE_SIZE, timesteps=1000)  # README; defaults pred_v, sigmoid
+    # the README's; its defaults pred_v, sigmoid schedule
+    diffusion = GaussianDiffusion(unet, image_size=IMAGE_SIZE, timesteps=1000)
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     diffusion = diffusion.to(memory_format=fmt)
     opt = torch.optim.Adam(diffusion.parameters(), lr=1e-4, betas=(0.9, 0.99))  # Trainer defaults
@@ -83,7 +87,8 @@ def build_theirs(batch, channels_last, bf16, flash=True):
             loss = diffusion(data)
             loss.item()  # Trainer: total_loss += loss.item()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(diffusion.parameters(), 1.0)  # accelerator.clip_grad_norm_ on one CPU process
+        # accelerator.clip_grad_norm_ on one CPU process
+        torch.nn.utils.clip_grad_norm_(diffusion.parameters(), 1.0)
         opt.step()
         opt.zero_grad()
         ema.update()
@@ -97,8 +102,8 @@ def count_theirs():
     from denoising_diffusion_pytorch import GaussianDiffusion, Unet
 
     torch.manual_seed(0)
-    diffusion = GaussianDiffusion(Unet(dim=64, dim_mults=(1, 2, 4, 8), flash_attn=False), image_size=IMAGE_SIZE,
-                                  timesteps=1000)
+    diffusion = GaussianDiffusion(Unet(dim=64, dim_mults=(1, 2, 4, 8), flash_attn=False),
+                                  image_size=IMAGE_SIZE, timesteps=1000)
     x = torch.rand(2, 3, IMAGE_SIZE, IMAGE_SIZE)
     return count_flops(lambda: diffusion(x).backward(), 2)
 
@@ -107,37 +112,40 @@ def count_theirs():
 
 
 def build_ours(batch, channels_last, compile_model, precision, attention="sdpa"):
+    """-> step() of ddpm.train_step + ddpm.ema_update on the 'ho' network, with model, EMA, optimizer and
+    forward from ddpm.build (compile: torch.compile in the default mode), and the parameter count."""
     import ddpm
-    from unet import UNet
+    import runs
 
     torch.manual_seed(0)
-    mc, tc = ddpm.ModelConfig(), ddpm.TrainerConfig(batch_size=batch)  # preset 'ho'
-    fmt = torch.channels_last if channels_last else torch.contiguous_format
-    model = UNet(mc, attention=attention).to(memory_format=fmt)
-    ema = copy.deepcopy(model).requires_grad_(False).eval()
-    diffusion = ddpm.Diffusion(mc)
-    opt = ddpm.make_optimizer(model, tc, CPU)
-    forward = torch.compile(model) if compile_model else model
-    x0 = (torch.rand(batch, mc.channels, mc.image_size, mc.image_size) * 2 - 1).contiguous(memory_format=fmt)
+    mc = ddpm.ModelConfig()  # preset 'ho'
+    tc = ddpm.TrainerConfig(batch_size=batch, compile="true" if compile_model else "false",
+                            precision=precision, channels_last="true" if channels_last else "false",
+                            attention=attention)
+    b = ddpm.build(mc, tc, CPU)
+    x0 = torch.rand(batch, mc.channels, mc.image_size, mc.image_size) * 2 - 1
+    x0 = x0.contiguous(memory_format=runs.memory_format(b.channels_last))
 
     def step():  # ddpm.train's step 3 and 4
-        ddpm.train_step(forward, diffusion, opt, x0, None, precision, tc.grad_clip, channels_last=channels_last)
-        ddpm.ema_update(ema, model, tc.ema_decay)
+        ddpm.train_step(b.forward, b.diffusion, b.opt, x0, None, b.precision, tc.grad_clip,
+                        channels_last=b.channels_last, scaler=b.scaler)
+        ddpm.ema_update(b.ema, b.model, tc.ema_decay)
 
-    return step, sum(p.numel() for p in model.parameters())
+    return step, sum(p.numel() for p in b.model.parameters())
 
 
 def count_ours():
     """Counted training FLOPs per image of Diffusion.loss forward + backward on the CPU, math attention;
-    and ddpm.train_flops_per_image (the meta-device count ddpm.py reports) beside it."""
+    and mfu.train_flops_per_image (the meta-device count ddpm.py reports) beside it."""
     import ddpm
+    import mfu
     from unet import UNet
 
     torch.manual_seed(0)
     mc = ddpm.ModelConfig()
     model, diffusion = UNet(mc, attention="math"), ddpm.Diffusion(mc)
     x = torch.rand(2, mc.channels, mc.image_size, mc.image_size) * 2 - 1
-    return count_flops(lambda: diffusion.loss(model, x).backward(), 2), ddpm.train_flops_per_image(mc, "sdpa")
+    return count_flops(lambda: diffusion.loss(model, x).backward(), 2), mfu.train_flops_per_image(mc, "sdpa")
 
 
 # ----------------------------------------------------------------------------- main
@@ -158,13 +166,15 @@ def parse_ours(spec):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ours", default="eager:16,cl:16,bf16:16,bf16+cl:16",
                    help="our configurations, MODE:BATCH, comma-separated; MODE: one or more of eager, cl "
                         "(channels_last), compile, bf16 (autocast) joined by '+'")
     p.add_argument("--theirs_batch", type=int, default=16, help="their batch (Trainer default 16)")
     p.add_argument("--bf16_timed", type=int, default=0,
-                   help="timed rounds of 'theirs bf16+cl'; 0 = --timed on a CPU with bf16 hardware, else 2 (emulated bf16 is slow)")
+                   help="timed rounds of 'theirs bf16+cl'; 0 = --timed on a CPU with bf16 hardware, else 2 "
+                        "(emulated bf16 is slow)")
     p.add_argument("--no_bf16", action="store_true", help="leave 'theirs bf16+cl' out")
     cpu_timing.add_args(p)
     args = p.parse_args(argv)
@@ -173,15 +183,19 @@ def main(argv=None):
         importlib.import_module("denoising_diffusion_pytorch")
     except ImportError as e:
         print(f"skipped: denoising_diffusion_pytorch is not importable ({e}); "
-              "pip install --no-deps denoising-diffusion-pytorch einops ema-pytorch accelerate pytorch-fid safetensors pyyaml")
+              "pip install --no-deps denoising-diffusion-pytorch einops ema-pytorch accelerate pytorch-fid "
+              "safetensors pyyaml")
         return None
 
     torch.set_num_threads(args.threads)
     t_start = time.time()
-    env = cpu_timing.environment(args.threads, ("denoising-diffusion-pytorch", "einops", "ema-pytorch", "accelerate"))
-    print(f"# {env['date']} · {env['cpu']}, {env['cores']} cores, {args.threads} threads · torch {env['torch']} · "
+    env = cpu_timing.environment(args.threads,
+                                 ("denoising-diffusion-pytorch", "einops", "ema-pytorch", "accelerate"))
+    print(f"# {env['date']} · {env['cpu']}, {env['cores']} cores, {args.threads} threads · "
+          f"torch {env['torch']} · "
           f"denoising-diffusion-pytorch {env['denoising-diffusion-pytorch']} (einops {env['einops']}, "
-          f"ema-pytorch {env['ema-pytorch']}, accelerate {env['accelerate']}) · git {env['git']}", flush=True)
+          f"ema-pytorch {env['ema-pytorch']}, accelerate {env['accelerate']}) · git {env['git']}",
+          flush=True)
 
     peaks32, peaks16 = cpu_timing.measure_peaks()
     theirs_flops = count_theirs()
@@ -208,7 +222,8 @@ def main(argv=None):
         if prec == "bf16" and args.no_bf16:
             continue
         rows.append(make_row(f"ours {mode} b{batch}", "ours",
-                        (lambda b=batch, cl=cl, comp=comp, prec=prec: build_ours(b, cl, comp, prec)), batch, prec))
+                             (lambda b=batch, cl=cl, comp=comp, prec=prec: build_ours(b, cl, comp, prec)),
+                             batch, prec))
 
     cpu_timing.warm_up(rows)
     cpu_timing.run_interleaved(rows, args.contended, args.budget_s)
@@ -216,18 +231,21 @@ def main(argv=None):
     peak32, peak16 = max(peaks32), max(peaks16)
 
     print(f"\nmeasured matmul peak (best of start and end): fp32 {peak32 / 1e9:.1f} GFLOP/s "
-          f"({', '.join(f'{v / 1e9:.1f}' for v in peaks32)}), bf16 {peak16 / 1e9:.2f} GFLOP/s; median of the uncontended "
-          f"timed steps (others <= {args.contended} cores); 'others' = cores other processes kept busy, median over all "
-          f"timed steps; total wall {time.time() - t_start:.0f} s\n")
-    print("| config | params | GFLOP/img (counted) | batch | median ms/step (min) | steps used | img/s | GFLOP/s | "
-          "of matmul peak | FLOP/s vs theirs fp32 | others |")
+          f"({', '.join(f'{v / 1e9:.1f}' for v in peaks32)}), bf16 {peak16 / 1e9:.2f} GFLOP/s; "
+          f"median of the uncontended timed steps (others <= {args.contended} cores); "
+          f"'others' = cores other processes kept busy, median over all timed steps; "
+          f"total wall {time.time() - t_start:.0f} s\n")
+    print("| config | params | GFLOP/img (counted) | batch | median ms/step (min) | steps used | img/s | "
+          "GFLOP/s | of matmul peak | FLOP/s vs theirs fp32 | others |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     ref32 = next((row for row in rows if row["config"] == "theirs fp32"), None)
     for row in rows:
-        print(f"| {row['config']} | {row['params'] / 1e6:.2f}M | {row['flops_per_image'] / 1e9:.2f} | {row['batch']} | "
-              f"{row['step_ms']:.0f} ({row['step_ms_min']:.0f}) | {cpu_timing.steps_used(row)} | {row['img_per_s']:.2f} | "
+        print(f"| {row['config']} | {row['params'] / 1e6:.2f}M | {row['flops_per_image'] / 1e9:.2f} | "
+              f"{row['batch']} | {row['step_ms']:.0f} ({row['step_ms_min']:.0f}) | "
+              f"{cpu_timing.steps_used(row)} | {row['img_per_s']:.2f} | "
               f"{row['gflops']:.1f} | {cpu_timing.peak_cell(row)} | "
-              f"{row['gflops'] / ref32['gflops'] if ref32 else float('nan'):.2f}x | {row['other_cores_median']:.2f} |")
+              f"{row['gflops'] / ref32['gflops'] if ref32 else float('nan'):.2f}x | "
+              f"{row['other_cores_median']:.2f} |")
 
     by = {row["config"]: row for row in rows}
     ours_rows = [row for row in rows if row["family"] == "ours"]
@@ -241,7 +259,8 @@ def main(argv=None):
                 noisy = "all" in (best["steps_used"], by[ref]["steps_used"])
                 ratios[ref] = {"flops_ratio": fl, "img_per_s_ratio": im, "goal": goal, "noisy": noisy}
                 verdict = f" (goal >= {goal}x: {'met' if fl >= goal else 'NOT met'})" if goal else ""
-                print(f"  vs {ref}: {fl:.2f}x FLOP/s{verdict}, {im:.2f}x img/s" + (" [NOISY: contended steps]" if noisy else ""))
+                print(f"  vs {ref}: {fl:.2f}x FLOP/s{verdict}, {im:.2f}x img/s"
+                      + (" [NOISY: contended steps]" if noisy else ""))
     cpu_timing.finish(args, t_start, env, peaks32, peaks16, (theirs_flops, ours_flops, ours_meta_flops), rows,
                       ratios_best_ours=ratios)
     return rows

@@ -1,58 +1,68 @@
 """Training-step speed on the CPU, side by side: this repo against diffusers, on the very same network.
 
-    .venv/bin/python scripts/cpu_vs_diffusers.py --json cpu_vs_diffusers.json                 # ~4 min on 2 AVX512-BF16 cores
-    .venv/bin/python scripts/cpu_vs_diffusers.py --dropout 0.1,0 --json cpu_vs_diffusers.json   # both dropouts, 7 min (433 s)
-    .venv/bin/python scripts/cpu_vs_diffusers.py --ours eager,compile                          # + torch.compile (3-5 min more)
+    # ~4 min on 2 AVX512-BF16 cores
+    .venv/bin/python scripts/cpu_vs_diffusers.py --json cpu_vs_diffusers.json
+    # both dropouts, 7 min (433 s)
+    .venv/bin/python scripts/cpu_vs_diffusers.py --dropout 0.1,0 --json cpu_vs_diffusers.json
+    # + torch.compile (3-5 min more)
+    .venv/bin/python scripts/cpu_vs_diffusers.py --ours eager,compile
 
-Without diffusers the script prints one line and exits 0 (diffusers is in requirements.txt, as a test oracle).
+Without diffusers the script prints one line and exits 0 (diffusers is in requirements.txt, as a test
+oracle).
 
 The network: Ho et al.'s CIFAR-10 UNet (35.7M parameters), which is diffusers' UNet2DModel in the
-google/ddpm-cifar10-32 configuration. Theirs is built from unet.diffusers_config(UNet(ModelConfig(dropout=P))), so
-both sides compute the same function (tests/test_diffusers.py checks the outputs agree in float64) with the same dropout P (--dropout; Ho's is
-0.1, ModelConfig's default; UNet2DModel's own default, and what a config.json without the field gives, is 0.0).
+google/ddpm-cifar10-32 configuration. Theirs is built from
+unet.diffusers_config(UNet(ModelConfig(dropout=P))), so both sides compute the same function
+(tests/test_diffusers.py checks the outputs agree in float64) with the same dropout P (--dropout; Ho's is 0.1,
+ModelConfig's default; UNet2DModel's own default, and what a config.json without the field gives, is 0.0).
 Configurations, all at 32x32, batches --batch, in one process, with torch.set_num_threads(--threads):
   theirs fp32       the step of diffusers' examples/unconditional_image_generation/train_unconditional.py:
-                    DDPMScheduler(num_train_timesteps=1000, beta_schedule='linear'); noise = randn, t = randint,
-                    noisy = scheduler.add_noise(clean, noise, t), model(noisy, t).sample, F.mse_loss(pred.float(),
-                    noise.float()), backward, clip_grad_norm_(params, 1.0), AdamW(lr 1e-4, betas (0.95, 0.999),
-                    weight_decay 1e-6, eps 1e-8; torch's default implementation, i.e. the per-tensor loop on a CPU),
-                    step, cosine LR scheduler step, zero_grad, EMAModel(params, decay 0.9999, use_ema_warmup=True,
-                    inv_gamma 1.0, power 0.75).step(params) (its default foreach=False: a per-tensor loop), loss.item().
+                    DDPMScheduler(num_train_timesteps=1000, beta_schedule='linear'); noise = randn,
+                    t = randint, noisy = scheduler.add_noise(clean, noise, t), model(noisy, t).sample,
+                    F.mse_loss(pred.float(), noise.float()), backward, clip_grad_norm_(params, 1.0), AdamW(lr
+                    1e-4, betas (0.95, 0.999), weight_decay 1e-6, eps 1e-8; torch's default implementation,
+                    i.e. the per-tensor loop on a CPU), step, cosine LR scheduler step, zero_grad,
+                    EMAModel(params, decay 0.9999, use_ema_warmup=True, inv_gamma 1.0, power
+                    0.75).step(params) (its default foreach=False: a per-tensor loop), loss.item().
   theirs bf16       the same with --mixed_precision=bf16: the images and the noise in bf16 (the example's
-                    weight_dtype), the forward under torch.autocast('cpu', bfloat16) with its output in fp32 (what
-                    accelerate wraps model.forward in), the loss outside it.
-  ours eager        `python ddpm.py`'s defaults (compile auto: eager on a CPU): precision auto (bf16 autocast on a CPU with
-                    AVX512-BF16/AMX, else fp32), channels_last auto (NCHW for bf16 on a CPU, else NHWC), SDPA, fused
-                    AdamW (ddpm.make_optimizer), and per step what ddpm.train does: the LR into the param groups,
-                    ddpm.train_step, ddpm.ema_update(ema, model, ddpm.ema_decay_at(step), ok).
-  ours compile      the same with torch.compile (ddpm.py's default; minutes to compile on a CPU, in the warm-up).
+                    weight_dtype), the forward under torch.autocast('cpu', bfloat16) with its output in fp32
+                    (what accelerate wraps model.forward in), the loss outside it.
+  ours eager        `python ddpm.py`'s defaults (compile auto: eager on a CPU): precision auto (bf16 autocast
+                    on a CPU with AVX512-BF16/AMX, else fp32), channels_last auto (NCHW for bf16 on a CPU,
+                    else NHWC), SDPA, the model, EMA and fused optimizer from ddpm.build, and per step what
+                    ddpm.train does: the LR into the param groups, ddpm.train_step,
+                    ddpm.ema_update(ema, model, ddpm.ema_decay_at(step), ok).
+  ours compile      the same with torch.compile (ddpm.py's default; minutes to compile on a CPU, in the
+                    warm-up).
   ours fp32         ours eager with --precision=fp32 (and so NHWC).
 Not timed on either side: the data loader (a fixed batch in [-1, 1]).
 
-FLOPs are counted by torch.utils.flop_counter on a real forward + backward of each side's training loss at batch 2
-(per image = total / 2), with math attention in both (the counter does not see the CPU flash-SDPA kernel). Counted
-GFLOP/s = counted FLOPs per step / median step time; the table gives it as a fraction of the best square bf16 (and
-fp32) matmul rate measured by ddpm.measure_matmul_flops before and after the timed steps (the better of the two).
-Ratios ours/theirs are of img/s (= theirs' step time / ours), between rows of the same batch and dropout.
+FLOPs are counted by torch.utils.flop_counter on a real forward + backward of each side's training loss at
+batch 2 (per image = total / 2), with math attention in both (the counter does not see the CPU flash-SDPA
+kernel). Counted GFLOP/s = counted FLOPs per step / median step time; the table gives it as a fraction of the
+best square bf16 (and fp32) matmul rate measured by mfu.measure_matmul_flops before and after the timed steps
+(the better of the two). Ratios ours/theirs are of img/s (= theirs' step time / ours), between rows of the
+same batch and dropout.
 
-Measured (2026-12-03, torch 2.14.1, diffusers 0.42.1; both 35.7M parameters and 37.32 counted GFLOP per training
-image; 2 cores AMD EPYC with AVX512-BF16, 5 uncontended steps per row; every run in BENCHMARKS.md): after issue
-16's changes (the CPU dropout mask, glibc keeping freed memory, which in one process helps both sides), ours eager
-(bf16, NCHW) 2099 ms/step at batch 16 and 4296 at 32 with dropout 0.1, 71-77% of the measured bf16 matmul rate;
-ours / theirs bf16 1.03x-1.12x, ours / theirs fp32 1.81x-2.09x. Before them: 1.01x-1.15x and 1.80x-2.34x, 63-73%.
-Same network, same oneDNN convolutions (~1.8 s of the ~2.4 s step on both sides, torch.profiler); theirs spends
-more in its per-tensor AdamW, its NHWC convolutions and GroupNorms after each attention block, and casts.
+Measured (2026-12-03, torch 2.14.1, diffusers 0.42.1; both 35.7M parameters and 37.32 counted GFLOP per
+training image; 2 cores AMD EPYC with AVX512-BF16, 5 uncontended steps per row; every run in BENCHMARKS.md):
+after issue 16's changes (the CPU dropout mask, glibc keeping freed memory, which in one process helps both
+sides), ours eager (bf16, NCHW) 2099 ms/step at batch 16 and 4296 at 32 with dropout 0.1, 71-77% of the
+measured bf16 matmul rate; ours / theirs bf16 1.03x-1.12x, ours / theirs fp32 1.81x-2.09x. Before them:
+1.01x-1.15x and 1.80x-2.34x, 63-73%. Same network, same oneDNN convolutions (~1.8 s of the ~2.4 s step on both
+sides, torch.profiler); theirs spends more in its per-tensor AdamW, its NHWC convolutions and GroupNorms after
+each attention block, and casts.
 
 Timing (scripts/cpu_timing.py, shared with cpu_vs_ddpm_pytorch.py): --warmup untimed steps per configuration
-(compilation included), then --timed rounds that interleave the configurations (ABCABC...). Each step records how
-many cores other processes kept busy meanwhile (/proc/stat minus this process's CPU time); a step with others >
---contended counts as contended: after --timed rounds, the configurations short of --timed uncontended steps run
-again (within --budget_s), and the median is taken over the uncontended steps where there are two or more, else
-over all of them (flagged in the table). Configurations of one side and dropout share one model, optimizer and EMA
-(the batch and the autocast differ per step, the weights' values do not matter to the time).
+(compilation included), then --timed rounds that interleave the configurations (ABCABC...). Each step records
+how many cores other processes kept busy meanwhile (/proc/stat minus this process's CPU time); a step with
+others > --contended counts as contended: after --timed rounds, the configurations short of --timed
+uncontended steps run again (within --budget_s), and the median is taken over the uncontended steps where
+there are two or more, else over all of them (flagged in the table). Configurations of one side and dropout
+(and, for ours, mode) share one model, optimizer and EMA (the batch and the autocast differ per step, the
+weights' values do not matter to the time).
 """
 import argparse
-import copy
 import importlib
 import itertools
 import time
@@ -80,7 +90,8 @@ def their_config(dropout):
     """UNet2DModel's config for the same network: google/ddpm-cifar10-32's, with this dropout."""
     import unet
 
-    return {k: v for k, v in unet.diffusers_config(unet.UNet(model_config(dropout))).items() if not k.startswith("_")}
+    config = unet.diffusers_config(unet.UNet(model_config(dropout)))
+    return {k: v for k, v in config.items() if not k.startswith("_")}
 
 
 # ----------------------------------------------------------------------------- theirs
@@ -104,12 +115,14 @@ def build_theirs(dropout, device=CPU):
     def step(batch, bf16):
         weight_dtype = torch.bfloat16 if bf16 else torch.float32
         if batch not in data:
-            data[batch] = torch.rand(batch, 3, IMAGE_SIZE, IMAGE_SIZE, device=device) * 2 - 1  # Normalize([.5], [.5])
+            # Normalize([.5], [.5])
+            data[batch] = torch.rand(batch, 3, IMAGE_SIZE, IMAGE_SIZE, device=device) * 2 - 1
         clean = data[batch].to(weight_dtype)
         noise = torch.randn(clean.shape, dtype=weight_dtype, device=clean.device)
         t = torch.randint(0, scheduler.config.num_train_timesteps, (batch,), device=clean.device).long()
         noisy = scheduler.add_noise(clean, noise, t)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):  # accelerate's wrapper of forward
+        # accelerate's wrapper of forward
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             pred = model(noisy, t).sample
         loss = F.mse_loss(pred.float(), noise.float())
         loss.backward()
@@ -142,35 +155,28 @@ def count_theirs():
 
 def build_ours(dropout, mode, device=CPU):
     """-> step(batch) of ddpm.train's loop with `python ddpm.py`'s defaults (compile only in mode 'compile',
-    precision fp32 in mode 'fp32'), and the parameter count."""
+    precision fp32 in mode 'fp32'), on ddpm.build's model, EMA, optimizer and forward, and the parameter
+    count."""
     import ddpm
-    from unet import UNet
 
     torch.manual_seed(0)
     mc = model_config(dropout)
     tc = ddpm.TrainerConfig(compile="true" if mode == "compile" else "false",
-                            precision="fp32" if mode == "fp32" else "auto")
-    precision = ddpm.resolve_precision(tc.precision, device)
-    ddpm.set_matmul_precision(precision)
-    channels_last = ddpm.resolve_channels_last(tc.channels_last, device, precision)
-    model = UNet(mc, attention=tc.attention).to(device, memory_format=ddpm.memory_format(channels_last))
-    ema = copy.deepcopy(model).requires_grad_(False).eval()
-    diffusion = ddpm.Diffusion(mc).to(device)
-    opt = ddpm.make_optimizer(model, tc, device)
-    forward = ddpm.compiled(model, tc, device)
+                            precision="fp32" if mode == "fp32" else "auto", channels_last="auto")
+    b = ddpm.build(mc, tc, device)
     steps, data = itertools.count(), {}
 
     def step(batch):
         if batch not in data:
             data[batch] = torch.rand(batch, mc.channels, mc.image_size, mc.image_size, device=device) * 2 - 1
         s = next(steps)
-        for g in opt.param_groups:
+        for g in b.opt.param_groups:
             g["lr"] = ddpm.lr_at(s, tc)
-        _, _, ok = ddpm.train_step(forward, diffusion, opt, data[batch], None, precision, tc.grad_clip,
-                                   channels_last=channels_last)
-        ddpm.ema_update(ema, model, ddpm.ema_decay_at(s, tc) if tc.ema_decay > 0 else 0.0, ok)
+        _, _, ok = ddpm.train_step(b.forward, b.diffusion, b.opt, data[batch], None, b.precision,
+                                   tc.grad_clip, channels_last=b.channels_last, scaler=b.scaler)
+        ddpm.ema_update(b.ema, b.model, ddpm.ema_decay_at(s, tc) if tc.ema_decay > 0 else 0.0, ok)
 
-    return step, sum(p.numel() for p in model.parameters())
+    return step, sum(p.numel() for p in b.model.parameters())
 
 
 # ----------------------------------------------------------------------------- main
@@ -180,30 +186,36 @@ def parse_list(spec, typ, name, choices=None):
     try:
         out = [typ(s.strip()) for s in spec.split(",") if s.strip()]
     except ValueError:
-        raise SystemExit(f"error: {name} '{spec}': expected a comma-separated list of {typ.__name__}") from None
+        raise SystemExit(
+            f"error: {name} '{spec}': expected a comma-separated list of {typ.__name__}") from None
     bad = [v for v in out if choices is not None and v not in choices]
     if not out or bad:
-        raise SystemExit(f"error: {name} '{spec}': expected one or more of {', '.join(map(str, choices or []))}")
+        raise SystemExit(f"error: {name} '{spec}': expected one or more of "
+                         f"{', '.join(map(str, choices or []))}")
     return out
 
 
 def shared(cache, key, build):
-    """One model, optimizer and EMA per side, dropout and mode, shared by its batches (and, for theirs, precisions)."""
+    """One model, optimizer and EMA per side, dropout and mode, shared by its batches (and, for theirs,
+    precisions)."""
     if key not in cache:
         cache[key] = build()
     return cache[key]
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", default="16,32", help="batch sizes, comma-separated")
-    p.add_argument("--dropout", default="0.1", help="dropout of both networks, comma-separated values (each one a "
-                                                    "pair of sides); Ho's and ModelConfig's is 0.1, UNet2DModel's 0.0")
-    p.add_argument("--ours", default="eager", help=f"our configurations, comma-separated: {', '.join(OUR_MODES)}")
+    p.add_argument("--dropout", default="0.1",
+                   help="dropout of both networks, comma-separated values (each one a pair of sides); "
+                        "Ho's and ModelConfig's is 0.1, UNet2DModel's 0.0")
+    p.add_argument("--ours", default="eager",
+                   help=f"our configurations, comma-separated: {', '.join(OUR_MODES)}")
     p.add_argument("--theirs", default="fp32,bf16", help=f"their configurations: {', '.join(THEIR_MODES)}")
     p.add_argument("--glibc_default", action="store_true",
-                   help="leave glibc's malloc as it is; by default the process keeps freed memory as ddpm.py's "
-                        "training does (ddpm.keep_freed_memory), which speeds up both sides alike")
+                   help="leave glibc's malloc as it is; by default the process keeps freed memory as "
+                        "ddpm.py's training does (mfu.keep_freed_memory), which speeds up both sides alike")
     cpu_timing.add_args(p)
     args = p.parse_args(argv)
     batches = parse_list(args.batch, int, "--batch")
@@ -216,14 +228,17 @@ def main(argv=None):
     except ImportError as e:
         print(f"skipped: diffusers is not importable ({e}); pip install diffusers")
         return None
-    import ddpm
+    import mfu
+    import runs
 
     torch.set_num_threads(args.threads)
-    kept = not args.glibc_default and ddpm.keep_freed_memory()  # process-wide: theirs gains from it as well
-    print(f"# glibc malloc: {'keeps freed memory (as ddpm.py trains)' if kept else 'its defaults'}", flush=True)
+    kept = not args.glibc_default and mfu.keep_freed_memory()  # process-wide: theirs gains from it as well
+    print(f"# glibc malloc: {'keeps freed memory (as ddpm.py trains)' if kept else 'its defaults'}",
+          flush=True)
     t_start = time.time()
     env = cpu_timing.environment(args.threads, ("diffusers",))
-    print(f"# {env['utc']} UTC · {env['cpu']}, {env['cores']} cores, {args.threads} threads · torch {env['torch']} · "
+    print(f"# {env['utc']} UTC · {env['cpu']}, {env['cores']} cores, {args.threads} threads · "
+          f"torch {env['torch']} · "
           f"diffusers {env['diffusers']} · git {env['git']}", flush=True)
     peaks32, peaks16 = cpu_timing.measure_peaks()
     theirs_flops = count_theirs()
@@ -233,8 +248,9 @@ def main(argv=None):
     cache, rows = {}, []
 
     def add(family, mode, dropout, batch, precision, build):
-        rows.append({"config": f"{family} {mode}", "family": family, "mode": mode, "dropout": dropout, "batch": batch,
-                     "precision": precision, "flops_per_image": theirs_flops if family == "theirs" else ours_flops,
+        rows.append({"config": f"{family} {mode}", "family": family, "mode": mode, "dropout": dropout,
+                     "batch": batch, "precision": precision,
+                     "flops_per_image": theirs_flops if family == "theirs" else ours_flops,
                      "timed": args.timed, "warmup": args.warmup, "_build": build})
 
     for batch, dropout in itertools.product(batches, dropouts):
@@ -247,7 +263,8 @@ def main(argv=None):
             def build(b=batch, d=dropout, m=mode):
                 step, n = shared(cache, ("ours", d, m), lambda: build_ours(d, m))
                 return (lambda: step(b)), n
-            add("ours", mode, dropout, batch, "fp32" if mode == "fp32" else ddpm.resolve_precision("auto", CPU), build)
+            add("ours", mode, dropout, batch,
+                "fp32" if mode == "fp32" else runs.resolve_precision("auto", CPU), build)
     for row in rows:
         row["config"] += f" p{row['dropout']:g} b{row['batch']}"
 
@@ -271,8 +288,9 @@ def main(argv=None):
 
     print(f"\nmeasured matmul peak (best of start and end): bf16 {peak16 / 1e9:.1f} GFLOP/s "
           f"({', '.join(f'{v / 1e9:.1f}' for v in peaks16)}), fp32 {peak32 / 1e9:.1f} GFLOP/s "
-          f"({', '.join(f'{v / 1e9:.1f}' for v in peaks32)}); median of the uncontended timed steps (others <= "
-          f"{args.contended} cores); 'others' = cores other processes kept busy, median over all timed steps; "
+          f"({', '.join(f'{v / 1e9:.1f}' for v in peaks32)}); median of the uncontended timed steps "
+          f"(others <= {args.contended} cores); 'others' = cores other processes kept busy, median over all "
+          f"timed steps; "
           f"counted GFLOP/image: theirs {theirs_flops / 1e9:.2f}, ours {ours_flops / 1e9:.2f}; "
           f"total wall {time.time() - t_start:.0f} s\n")
     heads = [f"ours / theirs {m} (img/s)" for m in their_modes]

@@ -10,7 +10,8 @@
 #   vs_diffusers.*    our training step against diffusers' on the same network (scripts/gpu_vs_diffusers.py)
 # Each .md is a command's output, each .json its rows, status.txt the exit statuses. Each command has a time
 # cap (the *_S variables, in seconds; at its cap a command gets SIGINT and then prints and saves what it
-# measured, and 20 s later SIGKILL): the caps add up to 420 s, 540 s at the very most. Needs bash >= 4.4.
+# measured, and 20 s later SIGKILL): the caps add up to 420 s, 540 s at the very most. A dry run has none but an
+# hour per command, a hang guard: it tests the plumbing on any machine, however slow or busy. Needs bash >= 4.4.
 # Never yet run on a GPU: how far each ladder gets within its cap is unmeasured.
 # What it cannot have, it skips: without ffcv the FFCV row, without torchinfo its column, without diffusers the
 # comparison. Missing pure-Python packages travel as wheels in .whl/ (git-ignored; carry it), fetched here with
@@ -59,6 +60,7 @@ fi
 : > "$out/status.txt"
 run() {  # NAME CAP COMMAND...: its output in NAME.md, its exit status in status.txt (124/130: cut at its cap)
   local name=$1 cap=$2; shift 2
+  if [ $dry = 1 ]; then cap=3600; fi  # a dry run checks plumbing, not speed: its cap is only a hang guard
   timeout -s INT -k 20 "$cap" "$@" 2>&1 | tee "$out/$name.md"
   echo "$name ${PIPESTATUS[0]}" >> "$out/status.txt"
 }

@@ -10,7 +10,7 @@ ddpm.ema_update), eager and torch.compile'd. Both are Ho et al.'s CIFAR-10 netwo
 the same counted FLOPs. Issue 16's target: ours compiled at >= 1.5x the img/s of theirs in bf16, same batch.
 
 Timing: --warmup untimed steps per configuration (compilation included), then --timed rounds that
-interleave the configurations, each step timed by ddpm.StepTimer (CUDA events on a GPU, read once at the
+interleave the configurations, each step timed by mfu.StepTimer (CUDA events on a GPU, read once at the
 end); the median step. Counted FLOPs per image are torch.utils.flop_counter's (count_theirs, count_ours);
 MFU is against the datasheet's dense bf16 peak (on a CPU, the measured bf16 matmul rate). Without diffusers
 it prints one line and exits 0 (scripts/gpu_bench.sh carries diffusers and importlib_metadata as wheels).
@@ -51,22 +51,24 @@ def main(argv=None):
     except ImportError as e:
         print(f"skipped: diffusers is not importable ({e}); carry its wheel (scripts/gpu_bench.sh)")
         return None
-    import ddpm
+    import mfu
+    import runs
+    from errors import UserError
 
     try:
-        device = ddpm.resolve_device(args.device)
-    except ddpm.ConfigError as e:
+        device = runs.resolve_device(args.device)
+    except UserError as e:
         raise SystemExit(f"error: {e}") from None
     gpu = device.type == "cuda"
     if gpu:
         torch.cuda.set_device(device)  # StepTimer's events and syncs use the current device
-    name = torch.cuda.get_device_name(device) if gpu else ddpm.cpu_name()
+    name = mfu.device_name(device)
     env = {"date": str(datetime.date.today()), "device": name, "torch": torch.__version__,
            "diffusers": cpu_timing.version("diffusers"), "git": cpu_timing.git_state()}
     print(f"# {env['date']} · {name} · torch {env['torch']} · diffusers {env['diffusers']}", flush=True)
     flops = {"theirs": count_theirs(), "ours": count_ours()[0]}
-    peak = ddpm.datasheet_peak(device, "bf16") if gpu else None
-    peak = peak or ddpm.measure_matmul_flops(device, torch.bfloat16)
+    peak = mfu.datasheet_peak(device, "bf16") if gpu else None
+    peak = peak or mfu.measure_matmul_flops(device, torch.bfloat16)
 
     steps, rows = {}, []
     for batch, (family, mode) in itertools.product(batches, [("theirs", m) for m in theirs] +
@@ -77,17 +79,17 @@ def main(argv=None):
                           else build_ours(args.dropout, mode, device))[0]
         step = steps[key]
         # each side with its own TF32 settings: theirs torch's defaults (as their example runs), ours
-        # ddpm.set_matmul_precision's for its precision
+        # runs.set_matmul_precision's for its precision
         if family == "theirs":
             def run(s=step, b=batch, bf16=mode == "bf16"):
                 torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = False, True
                 s(b, bf16)
         else:
-            def run(s=step, b=batch, p="fp32" if mode == "fp32" else ddpm.resolve_precision("auto", device)):
-                ddpm.set_matmul_precision(p)
+            def run(s=step, b=batch, p="fp32" if mode == "fp32" else runs.resolve_precision("auto", device)):
+                runs.set_matmul_precision(p)
                 s(b)
         rows.append({"config": f"{family} {mode}", "family": family, "mode": mode, "batch": batch,
-                     "_run": run, "_timer": ddpm.StepTimer(device)})
+                     "_run": run, "_timer": mfu.StepTimer(device)})
     interrupted = False
     try:  # cut short (Ctrl-C, or gpu_bench.sh's cap), the table still has what was measured
         for row in rows:  # warm-up, compilation included

@@ -7,7 +7,7 @@ from conftest import tiny_model
 
 import benchmark
 import ddpm
-from ddpm import train_flops_per_image
+from mfu import train_flops_per_image
 from unet import Attention, UNet
 
 
@@ -75,14 +75,15 @@ def test_fp16_rows_step_through_the_loss_scaler(monkeypatch):
     """The fp16 row's step is train()'s: GradScaler scales the loss and updates its scale (on the CPU here)."""
     import data
 
-    scalers = []
-    real = ddpm.grad_scaler
-    monkeypatch.setattr(ddpm, "grad_scaler", lambda *a: scalers.append(real(*a)) or scalers[-1])
+    built = []
+    real = ddpm.build
+    monkeypatch.setattr(ddpm, "build", lambda *a, **kw: built.append(real(*a, **kw)) or built[-1])
     mc = tiny_model()
     row = dict(benchmark.LADDER[0][1], precision="fp16", attention="sdpa", loader="resident")
     images, labels, _ = data.shapes(64, mc.image_size)
     ms, mem = benchmark.time_steps(mc, row, 4, torch.device("cpu"), images, labels, None, warmup=1, iters=2)
     assert ms > 0 and mem is None
+    scalers = [b.scaler for b in built]
     assert len(scalers) == 1 and scalers[0].get_scale() == 2.0**16  # no overflow in 3 steps: scale unchanged
     assert scalers[0]._get_growth_tracker() == 3
 
@@ -182,7 +183,7 @@ def test_gpu_bench_dry_run_runs_every_command_on_the_cpu(tmp_path):
 
     out = tmp_path / "gpu"
     proc = subprocess.run(["bash", "scripts/gpu_bench.sh", "--dry-run", str(out)], cwd=ROOT, capture_output=True,
-                          text=True, env={**os.environ, "PYTHON": sys.executable}, timeout=600)
+                          text=True, env={**os.environ, "PYTHON": sys.executable}, timeout=3600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     status = dict(line.split() for line in (out / "status.txt").read_text().splitlines())
     assert status == {k: "0" for k in ("gpu_tests", "seed", "ho", "patch", "sample", "vs_diffusers")}

@@ -3,7 +3,8 @@ import pytest
 from conftest import one_line_error
 
 import ddpm
-from ddpm import ConfigError, parse_args
+from ddpm import parse_args
+from errors import UserError
 
 
 def test_defaults_are_ho_et_al():
@@ -33,7 +34,7 @@ def test_overrides_and_presets():
     (["--resume"], "--resume"),
 ])
 def test_bad_values_raise_config_errors(args, needle):
-    with pytest.raises(ConfigError, match=needle.replace("+", r"\+")):
+    with pytest.raises(UserError, match=needle.replace("+", r"\+")):
         parse_args(args)
 
 
@@ -61,5 +62,5 @@ def test_channels_last_takes_auto_or_a_boolean(args, value):
 
 
 def test_channels_last_rejects_other_words():
-    with pytest.raises(ConfigError, match="--channels_last=maybe: choose one of auto, true, false"):
+    with pytest.raises(UserError, match="--channels_last=maybe: choose one of auto, true, false"):
         parse_args(["--channels_last=maybe"])

@@ -5,7 +5,8 @@ import pytest
 import torch
 from PIL import Image
 
-from data import DataError, Loader, ResidentLoader, image_folder, load_dataset, shapes
+from errors import UserError
+from data import Loader, ResidentLoader, image_folder, load_dataset, shapes
 
 
 def test_shapes_is_deterministic_any_size_and_labelled():
@@ -38,9 +39,9 @@ def test_flat_folder_and_errors(tmp_path):
     _, labels, k = image_folder(str(tmp_path), 8)
     assert labels.tolist() == [0] and k == 0
     (tmp_path / "empty").mkdir()
-    with pytest.raises(DataError, match="holds no images"):
+    with pytest.raises(UserError, match="holds no images"):
         image_folder(str(tmp_path / "empty"), 8)
-    with pytest.raises(DataError, match="does not exist"):
+    with pytest.raises(UserError, match="does not exist"):
         image_folder(str(tmp_path / "missing"), 8)
 
 
@@ -51,7 +52,7 @@ def test_cifar10_offline_says_where_to_put_the_files(tmp_path, monkeypatch):
         raise OSError("Name or service not known")
 
     monkeypatch.setattr(torchvision.datasets, "CIFAR10", offline)
-    with pytest.raises(DataError, match="cifar-10-python.tar.gz") as e:
+    with pytest.raises(UserError, match="cifar-10-python.tar.gz") as e:
         load_dataset("cifar10", str(tmp_path), 32)
     assert str(tmp_path) in str(e.value) and "--dataset=shapes" in str(e.value)
 

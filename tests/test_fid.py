@@ -12,7 +12,8 @@ from conftest import one_line_error, read_metrics, tiny_model, tiny_trainer
 
 import evaluate
 import sample
-from ddpm import ConfigError, train
+from ddpm import train
+from errors import UserError
 
 
 class TinyFeatures(torch.nn.Module):
@@ -83,10 +84,10 @@ def test_offline_inception_is_one_clear_line(tmp_path, monkeypatch):
         raise urllib.error.URLError("no network")
 
     monkeypatch.setattr(torch.hub, "download_url_to_file", offline)
-    with pytest.raises(evaluate.EvalError, match=r"offline, place https://\S+weights-inception\S+\.pth at \S+checkpoints"):
+    with pytest.raises(UserError, match=r"offline, place https://\S+weights-inception\S+\.pth at \S+checkpoints"):
         evaluate.inception("cpu")
     (tmp_path / "checkpoints" / "weights-inception-2015-12-05-6726825d.pth").write_bytes(b"truncated")
-    with pytest.raises(evaluate.EvalError, match="is not the Inception weights file"):
+    with pytest.raises(UserError, match="is not the Inception weights file"):
         evaluate.inception("cpu")
 
 
@@ -127,10 +128,10 @@ def test_training_logs_fid_and_bpd(tmp_path, monkeypatch):
 
 def test_training_eval_fails_before_training_when_offline(tmp_path, monkeypatch):
     def offline(device):
-        raise evaluate.EvalError("cannot download the Inception weights")
+        raise UserError("cannot download the Inception weights")
 
     monkeypatch.setattr(evaluate, "inception", offline)
-    with pytest.raises(ConfigError, match="Inception"):
+    with pytest.raises(UserError, match="Inception"):
         train(tiny_model(), tiny_trainer(tmp_path / "run", eval_every_steps=2), preset="test")
     assert not os.path.exists(tmp_path / "run" / "ckpt.pt")
 

@@ -1,4 +1,5 @@
 """GPU-only checks; skipped cleanly without CUDA. scripts/gpu_bench.sh runs them on a GPU."""
+import dataclasses
 import json
 
 import pytest
@@ -7,7 +8,8 @@ from conftest import tiny_model, tiny_trainer
 
 import ddpm
 from data import Loader, ResidentLoader, shapes
-from ddpm import StepTimer, train
+from ddpm import train
+from mfu import StepTimer
 from unet import UNet
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -60,9 +62,8 @@ def test_ffcv_loader_on_the_gpu(tmp_path):
 def test_the_training_step_never_syncs_with_the_host(loader_cls):
     """Data, forward, backward, clipping, the non-finite check, AdamW and the EMA: all queued, no host sync."""
     mc, tc = tiny_model(num_classes=4), ddpm.TrainerConfig(batch_size=8)
-    model = UNet(mc).cuda().to(memory_format=torch.channels_last)
-    ema = UNet(mc).cuda().requires_grad_(False)
-    diffusion, opt = ddpm.Diffusion(mc).cuda(), ddpm.make_optimizer(model, tc, torch.device("cuda"))
+    b = ddpm.build(mc, dataclasses.replace(tc, compile="false", channels_last="true"), torch.device("cuda"))
+    model, ema, diffusion, opt = b.model, b.ema, b.diffusion, b.opt
     images, labels, _ = shapes(64, 16)
     loader = loader_cls(images, labels, 8, 0, "cuda", with_labels=True)
     for step in range(4):

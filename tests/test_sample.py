@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 from conftest import one_line_error, tiny_model, tiny_trainer
 
+import ddpm
 import sample
 from ddpm import train
 
@@ -100,3 +101,43 @@ def test_another_sampler_than_the_runs_does_not_take_its_grid_steps(run_dir, tmp
     assert dpm["steps"] == 20  # TrainerConfig.eval_sample_steps, as the run recorded it
     ddpm_ = sample.main([*common, "--sampler", "ddpm", "--out", str(tmp_path / "b.png")])
     assert ddpm_["steps"] == 100 and ddpm_["nfe_per_image"] == 100  # all T of the tiny model
+
+
+def test_a_sampler_registered_after_import_is_a_choice(run_dir, tmp_path):
+    """--sampler's choices are ddpm.SAMPLERS when the arguments are parsed: a sampler registered with
+    @ddpm.sampler after sample.py was imported is taken, with the defaults of any sampler other than the run's
+    (all T steps), and refused again once it has left the table."""
+    calls = []
+    try:
+        @ddpm.sampler("dummy")
+        def one_call(d, denoise, z, ts, noise, eta):
+            """One network call: x̂₀ at the first timestep."""
+            calls.append(len(ts))
+            return denoise(z, ts[0])[0]
+
+        out = tmp_path / "dummy.png"
+        run = sample.main(["--ckpt", str(run_dir / "ema.pt"), "--n", "3", "--batch", "2", "--guidance", "1",
+                           "--sampler", "dummy", "--out", str(out)])
+    finally:
+        ddpm.SAMPLERS.pop("dummy", None)
+    assert (run["sampler"], run["steps"], run["nfe_per_image"]) == ("dummy", 100, 1)  # all T of the tiny model
+    assert calls == [100, 100]  # two batches, each given all T timesteps
+    assert out.exists() and out.stat().st_size > 0
+    assert np.load(tmp_path / "dummy.npz")["images"].shape == (3, 16, 16, 3)
+    with pytest.raises(SystemExit) as e:
+        sample.main(["--ckpt", str(run_dir / "ema.pt"), "--sampler", "dummy", "--out", str(tmp_path / "x.png")])
+    assert e.value.code == 2
+
+
+def test_heun_samples_through_sample_py(run_dir, tmp_path):
+    """--sampler heun: Karras-spaced timesteps, two network calls a step but one on the last."""
+    out = tmp_path / "heun.png"
+    run = sample.main(["--ckpt", str(run_dir / "ema.pt"), "--n", "3", "--batch", "2", "--guidance", "1",
+                       "--sampler", "heun", "--steps", "4", "--out", str(out)])
+    _, mc, _ = ddpm.load_ema(str(run_dir / "ema.pt"), "cpu")
+    ts = ddpm.Diffusion(mc).timestep_sequence(4, ddpm.SAMPLERS["heun"].spacing)
+    assert (run["sampler"], run["steps"]) == ("heun", 4) and len(ts) > 1
+    assert run["nfe_per_image"] == 2 * len(ts) - 1
+    images = np.load(tmp_path / "heun.npz")["images"]
+    assert images.shape == (3, 16, 16, 3) and images.std() > 0 and out.stat().st_size > 0
+    assert run == json.loads((tmp_path / "heun.json").read_text())

@@ -7,7 +7,8 @@ import torch
 from conftest import read_metrics, tiny_model, tiny_trainer
 
 import ddpm
-from ddpm import ConfigError, train
+from ddpm import train
+from errors import UserError
 from unet import UNet
 
 
@@ -47,20 +48,20 @@ def test_never_overwrites_a_checkpoint_and_checks_resume_config(tmp_path):
     out = tmp_path / "run"
     train(tiny_model(), tiny_trainer(out, max_steps=2, log_every_steps=1), preset="test")
     before = (out / "ckpt.pt").read_bytes()
-    with pytest.raises(ConfigError, match="already holds a checkpoint"):
+    with pytest.raises(UserError, match="already holds a checkpoint"):
         train(tiny_model(), tiny_trainer(out, max_steps=2), preset="test")
-    with pytest.raises(ConfigError, match="base_channels"):
+    with pytest.raises(UserError, match="base_channels"):
         train(tiny_model(base_channels=32), tiny_trainer(out, max_steps=4, resume=True), preset="test")
     assert (out / "ckpt.pt").read_bytes() == before
-    with pytest.raises(ConfigError, match="no checkpoint"):
+    with pytest.raises(UserError, match="no checkpoint"):
         train(tiny_model(), tiny_trainer(tmp_path / "empty", resume=True), preset="test")
     (out / "ckpt.pt").write_bytes(before[: len(before) // 2])  # truncated: one clear error, not a traceback
-    with pytest.raises(ConfigError, match="cannot read checkpoint"):
+    with pytest.raises(UserError, match="cannot read checkpoint"):
         train(tiny_model(), tiny_trainer(out, max_steps=4, resume=True), preset="test")
 
 
 def test_channels_last_auto_is_nhwc_except_for_bf16_on_a_cpu():
-    from ddpm import resolve_channels_last
+    from runs import resolve_channels_last
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert resolve_channels_last("auto", cpu, "fp32") and resolve_channels_last("auto", cuda, "bf16")
@@ -136,9 +137,9 @@ def test_fp16_with_loss_scaling_trains_and_resumes_bitwise(tmp_path):
 
 def test_fp16_overflow_is_one_skip_and_lowers_the_scale():
     mc = tiny_model(dropout=0.0)
-    model, diffusion = UNet(mc), ddpm.Diffusion(mc)
-    opt = ddpm.make_optimizer(model, ddpm.TrainerConfig(), torch.device("cpu"))
-    scaler = ddpm.grad_scaler(torch.device("cpu"), "fp16")
+    b = ddpm.build(mc, ddpm.TrainerConfig(precision="fp16", compile="false"), torch.device("cpu"))
+    model, diffusion, opt, scaler = b.model, b.diffusion, b.opt, b.scaler
+    assert b.precision == "fp16" and isinstance(scaler, torch.amp.GradScaler)
     scaler._init_scale = 2.0**100  # a scale that overflows fp16 gradients for certain
     before = [p.detach().clone() for p in model.parameters()]
     x0 = torch.rand(4, 3, 16, 16) * 2 - 1
