@@ -1,0 +1,112 @@
+"""Files on disks the program does not own: every output created fresh and renamed into place, appends only to
+regular files, and reads only of regular files, so that a link, FIFO or device planted in a run folder or an
+image folder can neither redirect a write nor block a read.
+
+    with files.created(path) as f:   # a temporary name made with O_CREAT|O_EXCL beside `path`, written,
+        torch.save(obj, f)            # flushed to disk, then renamed over `path` (a link there is replaced,
+                                      # never followed); on any error the temporary file is removed
+    files.append_line(path, text)     # one os.write of a whole line to a regular file (never through a link)
+    with files.open_regular(path) as f: ...   # refuses anything but a regular file, without blocking on it
+
+OS errors (a full disk, a read-only folder, no permission) become one UserError line naming the file and the
+reason; `kept` says what was left as it was.
+"""
+import contextlib
+import errno
+import os
+import stat
+
+from errors import RUN_STOPPED, UserError
+
+
+def os_error(e, path, kept=""):
+    """One UserError line for an OSError on `path`: what failed, why, and what was kept."""
+    reason = e.strerror or errno.errorcode.get(e.errno, str(e))
+    return UserError(f"could not write {path} ({reason})" + (f"; {kept}" if kept else ""), RUN_STOPPED)
+
+
+def fresh_temp(path):
+    """An empty file beside `path` that this call created (O_CREAT|O_EXCL: never an existing file or link),
+    for writers that take a file name (FFCV); finish with `commit(tmp, path)`, or remove it."""
+    folder, name = os.path.split(os.path.abspath(path))
+    for _ in range(100):
+        tmp = os.path.join(folder, f".{name}.tmp-{os.getpid()}-{os.urandom(4).hex()}")
+        try:
+            os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o644))
+            return tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, "no free temporary name", path)
+
+
+def commit(tmp, path):
+    """fsync `tmp`, then rename it over `path`: a symlink at `path` is replaced, not followed."""
+    fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    if os.path.isdir(path) and not os.path.islink(path):
+        raise IsADirectoryError(errno.EISDIR, "is a directory", path)
+    os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def created(path, mode="wb", kept=""):
+    """Open a fresh temporary file for writing; on leaving without error it replaces `path` whole. An OSError
+    (or a writer's own error for a full disk, e.g. torch's RuntimeError) removes the temporary file, leaves
+    `path` as it was, and is raised as one UserError line ending in `kept`."""
+    tmp = None
+    try:
+        tmp = fresh_temp(path)
+        with open(tmp, mode) as f:
+            yield f
+        commit(tmp, path)
+        tmp = None
+    except OSError as e:
+        raise os_error(e, path, kept) from None
+    except RuntimeError as e:  # torch.save and safetensors report write failures this way
+        if "write" not in str(e).lower() and "disk" not in str(e).lower() and "space" not in str(e).lower():
+            raise
+        raise os_error(OSError(errno.EIO, str(e).strip().splitlines()[0]), path, kept) from None
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+
+
+def append_line(path, text, kept=""):
+    """Append `text` + newline as one write to `path`, which must be a regular file (created if missing);
+    a link, FIFO or device there is refused. Whole lines only: a reader never sees half of this one unless the
+    disk fills mid-write, and then the error is one UserError line."""
+    data = (text.rstrip("\n") + "\n").encode()
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UserError(f"{path} is a symbolic link; this run writes only files it owns: remove it") from None
+        raise os_error(e, path, kept) from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise UserError(f"{path} is not a regular file; this run writes only files it owns: remove it")
+        written = os.write(fd, data)
+        if written != len(data):
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+    except OSError as e:
+        raise os_error(e, path, kept) from None
+    finally:
+        os.close(fd)
+
+
+def open_regular(path, mode="rb"):
+    """open(path, mode) for reading, but only for a regular file (links resolved once); a FIFO, device or
+    folder raises OSError at once instead of blocking."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", path)
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, mode)
+    except BaseException:
+        os.close(fd)
+        raise
