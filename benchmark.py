@@ -52,6 +52,7 @@ import torch
 import data
 import ddpm
 import errors
+import files
 import mfu
 import runs
 from unet import UNet
@@ -454,7 +455,7 @@ def save_ladder(lad):
     for r in measured:
         r["speedup"] = r["tflops"] / measured[0]["tflops"]
     if lad.args.json:
-        with open(lad.args.json, "w") as f:
+        with files.created(lad.args.json, "w") as f:
             json.dump({"preset": lad.args.preset, "device": lad.device_name, "torch": torch.__version__,
                        "date": str(datetime.date.today()), "iters": lad.iters, "warmup": lad.warmup,
                        "rows": lad.rows}, f, indent=2)
@@ -621,7 +622,7 @@ def sampling(args, overrides, mc, tc, device, patch_sizes):
     batch = args.sample_batch or (64 if device.type == "cuda" else 2)
     rows, interrupted = sampling_table(mc, tc, device, patch_sizes, batch, steps)
     if args.json:
-        with open(args.json, "w") as f:
+        with files.created(args.json, "w") as f:
             json.dump({"preset": args.preset, "overrides": overrides, "device": name,
                        "torch": torch.__version__, "date": str(datetime.date.today()),
                        "interrupted": interrupted, "rows": rows}, f, indent=2)

@@ -152,6 +152,8 @@ class TrainerConfig:  # the run
                                                         # backward pass: less memory, ~1 more forward
     out_dir: str = ""                                   # run folder; '' = runs/<preset>-<date>-<time>
     resume: bool = False                                # continue from out_dir/ckpt.pt
+    resume_new_data: bool = False                       # with --resume: accept data settings other than the
+                                                        # checkpoint's, from a new epoch plan; else refused
     init_from: str = ""                                 # start model and EMA weights from this checkpoint
                                                         # (e.g. the other expert's); '' = fresh
     log_every_steps: int = ranged(100, 1)               # steps between metrics.jsonl lines (each is a
@@ -264,14 +266,15 @@ def parse_value(name, text, typ):
 
 
 
-def validate(mc, tc):
+def validate(mc, tc=None):
     """Catch impossible values and combinations before anything is built: each field's choices and range
-    (beside the field), then the relations between fields."""
+    (beside the field), then the relations between fields. tc None: the model alone (a loaded model folder,
+    whose check must not trip over TrainerConfig defaults nobody set)."""
     def check(ok, msg):
         if not ok:
             raise UserError(msg)
 
-    for cfg in (mc, tc):
+    for cfg in (mc, tc) if tc is not None else (mc,):
         hints = typing.get_type_hints(type(cfg))
         for f in dataclasses.fields(cfg):
             v = getattr(cfg, f.name)
@@ -310,6 +313,8 @@ def validate(mc, tc):
         check(all(w % mc.attn_head_dim == 0 for w in widths),
               f"attn_head_dim {mc.attn_head_dim} does not divide the widths {widths}")
     check(0 < mc.beta_start < mc.beta_end < 1, "need 0 < beta_start < beta_end < 1")
+    if tc is None:
+        return
     check(0 <= tc.sample_steps <= mc.timesteps, f"sample_steps must lie in [0, timesteps={mc.timesteps}]")
     check(not tc.resume or tc.out_dir, "--resume needs --out_dir, the run folder to continue")
     check(1 <= tc.eval_sample_steps <= mc.timesteps,
@@ -320,7 +325,6 @@ def validate(mc, tc):
     check(tc.batch_size % tc.grad_accum_steps == 0,
           f"batch_size {tc.batch_size} does not divide into grad_accum_steps={tc.grad_accum_steps} "
           "micro-batches")
-
 
 
 def parse_args(argv):
@@ -966,7 +970,7 @@ def load_ema(path, device):
         try:
             fields, state, notes = diffusers_io.read(path)
             mc = ModelConfig(**fields)
-            validate(mc, TrainerConfig())
+            validate(mc)
             model = UNet(mc)
             diffusers_io.check(model, path)
             unet.load_diffusers_state_dict(model, state)
@@ -983,6 +987,7 @@ def load_ema(path, device):
         raise UserError(f"{path} is not a ddpm checkpoint (no {e})") from None
     try:
         mc = ModelConfig(**fields)
+        validate(mc)  # before anything is allocated: the file may come from anyone
         model = UNet(mc).to(device)
         model.load_state_dict(state)
     except (TypeError, RuntimeError) as e:
@@ -1008,6 +1013,13 @@ class Run:  # what train() sets up before its loop
     flops_per_step: int          # counted training FLOPs of one global batch
     peak: float                  # peak FLOP/s of one device at the run's precision
     peak_source: str             # where that peak came from (datasheet, or measured)
+
+
+def data_settings(mc, tc):
+    """What defines the run's training data: recorded in ckpt.pt, compared by --resume."""
+    folder = tc.dataset != "shapes"
+    return {"dataset": tc.dataset, "data_dir": os.path.abspath(tc.data_dir) if folder else None,
+            "shapes_count": None if folder else tc.shapes_count, "image_size": mc.image_size}
 
 
 def set_up(mc, tc, preset):
@@ -1041,7 +1053,8 @@ def set_up(mc, tc, preset):
         say(f"initialised from {tc.init_from}" + (f" (a model with {', '.join(differ)})" if differ else ""))
     if tc.resume:
         ckpt, path = runs.load_resume_checkpoint(out_dir, device)
-        step = runs.restore(ckpt, path, mc, b.model, b.ema, b.opt, loader, world, b.scaler)
+        step = runs.restore(ckpt, path, mc, b.model, b.ema, b.opt, loader, world, b.scaler,
+                            data_settings(mc, tc), tc.resume_new_data)
         skipped = ckpt.get("nonfinite_skipped", 0)
         say(f"resumed {out_dir} from {os.path.basename(path)} at step {step}")
     # built now: missing Inception weights or data fail before training, not hours in
@@ -1115,7 +1128,7 @@ def save_samples(run, mc, tc, step):
                            generator=g)
     x = runs.gather_rows(x, rank, world)
     if rank == 0:
-        runs.save_grid(x, os.path.join(run.out_dir, f"samples_{step:07d}.png"))
+        runs.save_grid(x, os.path.join(run.out_dir, f"samples_{step:07d}.png"), kept=runs.kept(run.out_dir))
         runs.plot_losses(run.out_dir)
 
 
@@ -1140,7 +1153,8 @@ def train(mc, tc, preset="custom"):
 
     def save_checkpoint(step):  # rank 0 alone: the other ranks hold the same state
         if lead:
-            runs.save_checkpoints(run.out_dir, step, b.model, b.ema, mc, tc, optimizer=b.opt.state_dict(),
+            runs.save_checkpoints(run.out_dir, step, b.model, b.ema, mc, tc, data=data_settings(mc, tc),
+                                  optimizer=b.opt.state_dict(),
                                   scaler=b.scaler.state_dict() if b.scaler else None, world_size=run.world,
                                   loader=run.loader.state_dict(),
                                   nonfinite_skipped=run.skipped + int(tally.skipped.item()))
@@ -1150,6 +1164,7 @@ def train(mc, tc, preset="custom"):
     pbar = tqdm(total=tc.max_steps, initial=step, dynamic_ncols=True, desc="train", disable=not lead)
     try:
         if lead:
+            runs.mend_metrics(run.out_dir)  # a line cut by a crash is ended before this run appends
             record(run, mc, tc, preset)
         if step >= tc.max_steps:
             say(f"note: {run.out_dir} is at step {step}, which is --max_steps={tc.max_steps} or past it: "

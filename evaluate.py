@@ -15,6 +15,7 @@ import time
 import numpy as np
 import torch
 
+import files
 from errors import UserError
 
 # FID, Inception Score and precision/recall, with torch-fidelity's InceptionV3 (the TF-FID network, ported
@@ -119,7 +120,7 @@ def reference_stats(extractor, dataset, data_dir, image_size, shapes_count, devi
     # decided together: a rank that skipped the computation would leave the others waiting
     if cached == world:
         try:  # a file on disk may be truncated or someone else's: checked before it is trusted
-            with np.load(path) as z:
+            with files.open_regular(path) as f, np.load(f) as z:
                 ref = {k: z[k] for k in z.files}
             ok = {"mu", "sigma", "features", "n"} <= set(ref) and ref["sigma"].shape == (len(ref["mu"]),) * 2
         except Exception:
@@ -140,9 +141,8 @@ def reference_stats(extractor, dataset, data_dir, image_size, shapes_count, devi
     ref = {"mu": mu, "sigma": sigma, "features": kept, "n": np.array(len(images))}
     if rank == 0:
         os.makedirs(cache_dir, exist_ok=True)
-        tmp = path + ".tmp.npz"
-        np.savez(tmp, **ref)
-        os.replace(tmp, path)
+        with files.created(path, kept="nothing is cached; the statistics are computed again next time") as f:
+            np.savez(f, **ref)
     return ref
 
 

@@ -51,16 +51,27 @@ def commit(tmp, path):
     os.replace(tmp, path)
 
 
+def is_regular(path):
+    """True for a regular file at `path` itself (a link there is not one)."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
 @contextlib.contextmanager
-def created(path, mode="wb", kept=""):
-    """Open a fresh temporary file for writing; on leaving without error it replaces `path` whole. An OSError
-    (or a writer's own error for a full disk, e.g. torch's RuntimeError) removes the temporary file, leaves
-    `path` as it was, and is raised as one UserError line ending in `kept`."""
+def created(path, mode="wb", kept="", previous=None):
+    """Open a fresh temporary file for writing; on leaving without error it replaces `path` whole (and with
+    `previous`, a regular file at `path` is first renamed to it). An OSError (or a writer's own error for a
+    full disk, e.g. torch's RuntimeError) removes the temporary file, leaves `path` as it was, and is raised
+    as one UserError line ending in `kept`."""
     tmp = None
     try:
         tmp = fresh_temp(path)
         with open(tmp, mode) as f:
             yield f
+        if previous and is_regular(path):
+            os.replace(path, previous)
         commit(tmp, path)
         tmp = None
     except OSError as e:
@@ -84,7 +95,8 @@ def append_line(path, text, kept=""):
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
     except OSError as e:
         if e.errno == errno.ELOOP:
-            raise UserError(f"{path} is a symbolic link; this run writes only files it owns: remove it") from None
+            raise UserError(f"{path} is a symbolic link; only files this program made are written to: "
+                            "remove it") from None
         raise os_error(e, path, kept) from None
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):

@@ -21,6 +21,7 @@ from dataclasses import asdict
 import torch
 import torch.nn.functional as F
 
+import files
 import mfu
 from errors import RUN_STOPPED, UserError, first_line
 
@@ -150,7 +151,8 @@ def prepare_run_folder(out_dir, preset, resume, world):
         raise UserError("under torchrun, give --out_dir (every rank must name the same run folder)")
     out_dir = out_dir or os.path.join("runs", f"{preset}-{time.strftime('%Y%m%d-%H%M%S')}")
     ckpt_path = os.path.join(out_dir, "ckpt.pt")
-    have_ckpt = os.path.exists(ckpt_path) or os.path.exists(previous_path(ckpt_path))
+    # a link planted at either name is no checkpoint of this folder: it is replaced when one is written
+    have_ckpt = files.is_regular(ckpt_path) or files.is_regular(previous_path(ckpt_path))
     if resume and not have_ckpt:
         raise UserError(f"--resume: no checkpoint at {ckpt_path}")
     if not resume and have_ckpt:
@@ -160,61 +162,159 @@ def prepare_run_folder(out_dir, preset, resume, world):
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:  # a path through a file, a read-only place
         raise UserError(f"--out_dir={out_dir}: cannot make it ({e.strerror or e})") from None
+    metrics = os.path.join(out_dir, "metrics.jsonl")
+    if os.path.lexists(metrics) and not files.is_regular(metrics):  # appended to, so never replaced
+        raise UserError(f"{metrics} is not a regular file (a link, FIFO or device planted there?); only files "
+                        "this program made are appended to: remove it")
     return out_dir
 
 
+def kept(out_dir):
+    """What a failed write in the run folder leaves: for the one error line."""
+    if files.is_regular(os.path.join(out_dir, "ckpt.pt")):
+        return f"the checkpoints in {out_dir} are intact"
+    return f"no checkpoint had been written to {out_dir} yet"
+
+
 def write_json(path, obj):
-    with open(path, "w") as f:
+    """A JSON file of the run folder, created fresh (a link planted at `path` is replaced, not followed)."""
+    with files.created(path, "w", kept=kept(os.path.dirname(path) or ".")) as f:
         json.dump(obj, f, indent=2)
 
 
 def append_metrics(out_dir, row):
-    """One row of metrics.jsonl."""
-    with open(os.path.join(out_dir, "metrics.jsonl"), "a") as f:
-        f.write(json.dumps(row) + "\n")
+    """One row of metrics.jsonl, as one write of a whole line to a regular file."""
+    files.append_line(os.path.join(out_dir, "metrics.jsonl"), json.dumps(row), kept=kept(out_dir))
 
 
-HELD_LOCKS = set()  # the tokens of the run-folder locks this process holds
+def read_metrics(out_dir):
+    """metrics.jsonl's rows -> (rows, lines skipped): a cut or invalid line (a kill -9 or a full disk in
+    the middle of a write) is skipped and counted, never fatal."""
+    rows, bad = [], 0
+    try:
+        with files.open_regular(os.path.join(out_dir, "metrics.jsonl"), "rb") as f:
+            lines = f.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return rows, bad
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            row = None
+        if isinstance(row, dict) and isinstance(row.get("step"), int):
+            rows.append(row)
+        elif line.strip():
+            bad += 1
+    return rows, bad
+
+
+def mend_metrics(out_dir):
+    """Before a run appends: a last line cut short (no newline at its end) is ended, so the next row starts a
+    line of its own; readers skip the cut one."""
+    path = os.path.join(out_dir, "metrics.jsonl")
+    if not files.is_regular(path) or os.path.getsize(path) == 0:
+        return
+    with files.open_regular(path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        cut = f.read(1) != b"\n"
+    if cut:
+        print(f"note: the last line of {path} was cut short (a crash or a full disk mid-write); "
+              "it is ended and skipped by readers")
+        files.append_line(path, "", kept=kept(out_dir))
+
+
+HELD_LOCKS = {}  # token -> the open lock file of each run-folder lock this process holds (its heartbeat)
+LOCK_HEARTBEAT_S = 60  # a live run touches its run.lock this often
+LOCK_STALE_S = 15 * 60  # a lock nobody has touched for this long has no live owner, whatever host it names
+
+
+def read_lock(path):
+    """The owner a run.lock names: {'host': str, 'pid': int > 0, ...}, or None for a lock that cannot be
+    parsed (empty, binary, truncated, not a regular file, pid <= 0): such a lock is stale. A lock is written
+    whole before it appears (lock_run_folder), so a half-written one is never seen."""
+    try:
+        with files.open_regular(path, "rb") as f:
+            owner = json.loads(f.read(4096).decode())
+    except (OSError, ValueError):
+        return None
+    if not (isinstance(owner, dict) and isinstance(owner.get("host"), str)
+            and type(owner.get("pid")) is int and owner["pid"] > 0):
+        return None
+    return owner
+
+
+def lock_is_stale(path, owner, me):
+    """-> why the lock is stale, or None while its owner may be alive."""
+    if owner is None:
+        return "it cannot be read as a lock"
+    try:
+        idle = time.time() - os.lstat(path).st_mtime
+    except OSError:
+        return "it is gone"
+    if idle > LOCK_STALE_S:
+        return f"nobody has touched it for {idle / 60:.0f} minutes"
+    if owner["host"] == me["host"] and not process_alive(owner["pid"], owner.get("token")):
+        return f"pid {owner['pid']} has ended"
+    return None
 
 
 def lock_run_folder(out_dir):
     """One run per folder: out_dir/run.lock names its owner's host and pid, and a second run is refused in one
-    line. A lock left by a run that is gone (same host and that pid no longer alive, or this process's own
-    from a run that already ended) is stale and taken over. -> (path, token) for unlock_run_folder."""
+    line. The lock appears whole (written to a fresh file, then hard-linked into place) and its owner touches
+    it every LOCK_HEARTBEAT_S seconds. A stale lock is taken over with a note: one that cannot be parsed or
+    names pid <= 0, one untouched for LOCK_STALE_S, or one of this host whose pid is no longer alive (or is
+    this process, from a run that already ended). -> (path, token) for unlock_run_folder."""
     path = os.path.join(out_dir, "run.lock")
     me = {"host": platform.node(), "pid": os.getpid(), "token": os.urandom(8).hex(),
           "since": time.strftime("%Y-%m-%d %H:%M:%S")}
-    for _ in range(3):
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
-            try:
-                with open(path) as f:
-                    owner = json.load(f)
-            except (OSError, ValueError):  # being written this instant, or garbage: live if fresh
-                fresh = time.time() - os.path.getmtime(path) < 10 if os.path.exists(path) else False
-                owner = {"host": "?", "pid": "?"} if fresh else {"host": me["host"], "pid": -1}
-            if not (owner.get("host") == me["host"]
-                    and not process_alive(owner.get("pid"), owner.get("token"))):
-                raise UserError(f"{out_dir} is in use by another run "
-                                  f"(pid {owner.get('pid')} on {owner.get('host')}, "
-                                  f"since {owner.get('since', '?')}); if that run has ended, delete {path}")
-            print(f"note: taking over the stale lock of pid {owner.get('pid')}, which has ended")
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(path)
-            continue
-        with os.fdopen(fd, "w") as f:
+    tmp = None
+    try:
+        tmp = files.fresh_temp(path)
+        with open(tmp, "w") as f:
             json.dump(me, f)
-        HELD_LOCKS.add(me["token"])
-        return path, me["token"]
-    raise UserError(f"could not take the lock {path}")
+        for _ in range(3):
+            try:
+                os.link(tmp, path)  # atomic, and never through a link: fails if anything is at `path`
+            except FileExistsError:
+                owner = read_lock(path)
+                why = lock_is_stale(path, owner, me)
+                if why is None:
+                    raise UserError(f"{out_dir} is in use by another run (pid {owner['pid']} on "
+                                    f"{owner['host']}, since {owner.get('since', '?')}); "
+                                    f"if that run has ended, delete {path}")
+                print(f"note: taking over the stale lock {path}: {why}")
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path)
+                continue
+            HELD_LOCKS[me["token"]] = open(tmp, "rb")  # the same file as run.lock: its heartbeat handle
+            threading.Thread(target=heartbeat, args=(me["token"],), daemon=True).start()
+            return path, me["token"]
+        raise UserError(f"could not take the lock {path}")
+    except OSError as e:  # a read-only folder, no permission, a full disk: nothing was written
+        raise files.os_error(e, path, "nothing was written; the folder is as it was") from None
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+
+
+def heartbeat(token):
+    """Touch the held lock every LOCK_HEARTBEAT_S seconds until it is released (through its own open file:
+    a link planted at run.lock meanwhile is never followed)."""
+    while True:
+        f = HELD_LOCKS.get(token)
+        if f is None:
+            return
+        with contextlib.suppress(OSError, ValueError):
+            os.utime(f.fileno())
+        time.sleep(LOCK_HEARTBEAT_S)
 
 
 def process_alive(pid, token):
     if pid == os.getpid():  # this process: alive, but the lock is stale unless a run in it still holds it
         return token in HELD_LOCKS
     try:
-        os.kill(int(pid), 0)
+        os.kill(pid, 0)
     except (ProcessLookupError, ValueError, TypeError, OverflowError):
         return False
     except PermissionError:  # someone else's process
@@ -226,11 +326,12 @@ def unlock_run_folder(lock):
     if lock is None:
         return
     path, token = lock
-    HELD_LOCKS.discard(token)
-    with contextlib.suppress(OSError, ValueError):
-        with open(path) as f:
-            mine = json.load(f).get("token") == token
-        if mine:
+    f = HELD_LOCKS.pop(token, None)
+    if f is not None:
+        f.close()
+    owner = read_lock(path)
+    if owner is not None and owner.get("token") == token:
+        with contextlib.suppress(OSError):
             os.remove(path)
 
 
@@ -260,20 +361,25 @@ def environment(device):
     }
 
 
-def save_grid(images, path):
-    """images in [-1, 1], (B, C, H, W) -> a square PNG grid; small images are enlarged to be visible."""
+def save_grid(images, path, kept=""):
+    """images in [-1, 1], (B, C, H, W) -> a square PNG grid, created fresh; small images are enlarged to be
+    visible."""
     import torchvision
 
     x = (images.float() + 1) / 2
     if x.shape[-1] < 64:
         x = F.interpolate(x, scale_factor=64 // x.shape[-1], mode="nearest")
-    torchvision.utils.save_image(x, path, nrow=math.ceil(math.sqrt(len(x))), padding=2)
+    from PIL import Image
+
+    image_format = Image.registered_extensions().get(os.path.splitext(path)[1].lower(), "PNG")
+    with files.created(path, kept=kept) as f:
+        torchvision.utils.save_image(x, f, format=image_format, nrow=math.ceil(math.sqrt(len(x))), padding=2)
 
 
 def plot_losses(out_dir):
     """loss.png from metrics.jsonl: the loss and its four timestep quartiles (none before the first row)."""
-    metrics_path, png_path = os.path.join(out_dir, "metrics.jsonl"), os.path.join(out_dir, "loss.png")
-    if not os.path.exists(metrics_path):
+    rows = [r for r in read_metrics(out_dir)[0] if "loss" in r]  # not the evaluation rows
+    if not rows:
         return
     try:
         import matplotlib
@@ -286,7 +392,6 @@ def plot_losses(out_dir):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in map(json.loads, open(metrics_path)) if "loss" in r]  # not the evaluation rows
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="loss")
     for q in range(4):
@@ -295,8 +400,11 @@ def plot_losses(out_dir):
     ax.set(xlabel="step", ylabel="loss", yscale="log", title="training loss")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(png_path, dpi=100)
-    plt.close(fig)
+    try:
+        with files.created(os.path.join(out_dir, "loss.png"), kept=kept(out_dir)) as f:
+            fig.savefig(f, format="png", dpi=100)
+    finally:
+        plt.close(fig)
 
 
 # -----------------------------------------------------------------------------
@@ -310,23 +418,14 @@ def previous_path(path):
 
 
 def atomic_save(obj, path, keep_previous=False):
-    """torch.save to a temporary file, fsync, rename: a crash mid-write never leaves a broken `path`.
-    keep_previous: the file it replaces survives as *.prev.pt. A failed write (a full disk) removes the
-    temporary file, leaves `path` as it was, and raises UserError (status 1)."""
-    tmp = f"{path}.tmp"
-    try:
-        torch.save(obj, tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-    except (OSError, RuntimeError) as e:  # torch.save reports some write failures as RuntimeError
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else first_line(e)
-        raise UserError(f"could not write {path} ({reason}); the previous checkpoint is intact",
-                        RUN_STOPPED) from None
-    if keep_previous and os.path.exists(path):
-        os.replace(path, previous_path(path))
-    os.replace(tmp, path)
+    """torch.save to a fresh temporary file, fsync, rename (files.created): a crash mid-write never leaves a
+    broken `path`, and a link planted at `path` is replaced, not followed. keep_previous: the file it replaces
+    survives as *.prev.pt. A failed write (a full disk) leaves `path` as it was and raises one UserError
+    line (status 1) that says whether an earlier checkpoint is there."""
+    earlier = files.is_regular(path) or files.is_regular(previous_path(path))
+    kept = "the previous checkpoint is intact" if earlier else "there is no earlier checkpoint"
+    with files.created(path, kept=kept, previous=previous_path(path) if keep_previous else None) as f:
+        torch.save(obj, f)
 
 
 def save_checkpoints(out_dir, step, model, ema, mc, tc, **state):
@@ -348,12 +447,13 @@ def save_checkpoints(out_dir, step, model, ema, mc, tc, **state):
 
 
 def load_checkpoint(path, device):
-    """torch.load with weights_only=True (a checkpoint can never run code); a bad file is one UserError
-    line."""
+    """torch.load with weights_only=True (a checkpoint can never run code) of a regular file only (a FIFO
+    there would block forever); a bad file is one UserError line."""
     if not os.path.exists(path):
         raise UserError(f"no checkpoint at {path}")
     try:
-        return torch.load(path, map_location=device, weights_only=True)
+        with files.open_regular(path) as f:
+            return torch.load(f, map_location=device, weights_only=True)
     except Exception as e:  # truncated, corrupt, or not a torch file
         raise UserError(f"cannot read checkpoint {path} ({type(e).__name__}: {first_line(e)})") from None
 
@@ -363,18 +463,30 @@ def load_resume_checkpoint(out_dir, device):
     line."""
     path = os.path.join(out_dir, "ckpt.pt")
     try:
+        if not files.is_regular(path):  # a link or FIFO planted there is not this folder's checkpoint
+            raise UserError(f"cannot read checkpoint {path} (not a regular file)")
         return load_checkpoint(path, device), path
     except UserError as e:
         prev = previous_path(path)
-        if not os.path.exists(prev):
+        if not files.is_regular(prev):
             raise
         print(f"warning: {e}; resuming from the previous checkpoint {prev}")
         return load_checkpoint(prev, device), prev
 
 
-def restore(ckpt, path, mc, model, ema, opt, loader, world, scaler=None):
+def data_changes(ckpt, data_now):
+    """The data settings that differ between a checkpoint and this run: ['dataset: shapes -> folder', ...]
+    (a checkpoint from before they were recorded: its trainer config's dataset)."""
+    saved = ckpt.get("data")
+    if not isinstance(saved, dict):
+        saved = {"dataset": (ckpt.get("trainer_config") or {}).get("dataset")}
+    return [f"{k}: {saved.get(k)!r} -> {v!r}" for k, v in data_now.items() if k in saved and saved[k] != v]
+
+
+def restore(ckpt, path, mc, model, ema, opt, loader, world, scaler=None, data_now=None, new_data=False):
     """Load a resumable checkpoint into the run's objects: weights, EMA, optimizer, data position, RNG
-    states. -> its step. A checkpoint of a different model is one UserError line."""
+    states. -> its step. A checkpoint of a different model is one UserError line, and so is other data
+    (data_now: this run's data settings) unless new_data: then the epoch plan starts afresh, said once."""
     try:
         saved = ckpt["model_config"]
         as_list = lambda v: list(v) if isinstance(v, (tuple, list)) else v  # noqa: E731
@@ -385,6 +497,10 @@ def restore(ckpt, path, mc, model, ema, opt, loader, world, scaler=None):
         raise UserError(f"{path} is not a resumable ddpm checkpoint (no {e})") from None
     if changed:
         raise UserError(f"--resume: the model config differs from the checkpoint's in {', '.join(changed)}")
+    other_data = data_changes(ckpt, data_now or {})
+    if other_data and not new_data:
+        raise UserError(f"--resume: the data differ from the checkpoint's ({'; '.join(other_data)}); "
+                        "pass --resume_new_data to train on them from a new epoch plan")
     model_state, ema_state, opt_state, position, rng, step = states
     model.load_state_dict(model_state)
     ema.load_state_dict(ema_state)
@@ -398,7 +514,11 @@ def restore(ckpt, path, mc, model, ema, opt, loader, world, scaler=None):
         position["index"] = per_rank - per_rank % loader.batch_size
         print(f"note: resuming {saved_world}-process training with {world}: the same epoch and place in it, "
               "but not bitwise the run it would have been")
-    loader.load_state_dict(position)
+    if other_data:
+        print(f"note: training on other data than the checkpoint's ({'; '.join(other_data)}), as "
+              "--resume_new_data asks: a new epoch plan starts here")
+    else:
+        loader.load_state_dict(position)
     torch.set_rng_state(rng["torch"])
     if torch.cuda.is_available() and rng["cuda"]:
         torch.cuda.set_rng_state_all(rng["cuda"])

@@ -45,6 +45,7 @@ import ddpm
 import diffusers_io
 import errors
 import evaluate
+import files
 import runs
 from errors import UserError
 
@@ -226,8 +227,9 @@ def write_outputs(args, images, labels, record):
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     runs.save_grid(images[:256].float() / 127.5 - 1, args.out)
     npz = os.path.splitext(args.out)[0] + ".npz"
-    np.savez(npz, images=images.permute(0, 2, 3, 1).numpy(),
-             labels=labels.numpy() if labels is not None else np.zeros(0, np.int64))
+    with files.created(npz) as f:
+        np.savez(f, images=images.permute(0, 2, 3, 1).numpy(),
+                 labels=labels.numpy() if labels is not None else np.zeros(0, np.int64))
     print(f"wrote {args.out} and {npz}: {record['n']} images, {record['sampler']} {record['steps']} steps, "
           f"guidance {record['guidance']}, {record['threshold']} thresholding")
     print(f"sampling: {record['img_per_s']:.3g} img/s, {record['s_per_img']:.3g} s/image, "
@@ -288,7 +290,7 @@ def run_data(args, run):
 def write_json(result, out):
     path = os.path.splitext(out)[0] + ".json"
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
+    with files.created(path, "w") as f:
         json.dump(result, f, indent=2)
     return path
 
