@@ -205,7 +205,14 @@ def test_resume_on_other_data_is_refused_unless_asked_for(tmp_path, capsys):
     args = [*TINY_ARGS, "--loader=torch", "--max_steps=4", f"--out_dir={out}", "--resume"]
     err = one_line_error(capsys, ddpm.main, [*args, "--shapes_count=300"])
     assert "the data differ from the checkpoint's (shapes_count: 512 -> 300)" in err and "--resume_new_data" in err
-    err = one_line_error(capsys, ddpm.main, [*args, "--dataset=folder", f"--data_dir={tmp_path}"])
+    import numpy as np
+    from PIL import Image
+
+    (tmp_path / "images").mkdir()
+    for i in range(20):
+        Image.fromarray(np.full((16, 16, 3), 10 * i, np.uint8)).save(tmp_path / "images" / f"{i}.png")
+    err = one_line_error(capsys, ddpm.main, [*args, "--batch_size=16", "--dataset=folder",
+                                             f"--data_dir={tmp_path / 'images'}"])
     assert "dataset: 'shapes' -> 'folder'" in err
     capsys.readouterr()
     ddpm.main([*args, "--shapes_count=300", "--resume_new_data"])
