@@ -158,6 +158,9 @@ class TrainerConfig:  # the run
                                                         # (e.g. the other expert's); '' = fresh
     log_every_steps: int = ranged(100, 1)               # steps between metrics.jsonl lines (each is a
                                                         # GPU->CPU sync)
+    log_to: Literal["none", "tensorboard", "wandb", "tensorboard,wandb"] = "none"  # trackers that also
+                                                        # get every metrics row, grid and the config
+                                                        # (runs.Trackers)
     sample_every_steps: int = ranged(10_000, 0)         # steps between EMA sample grids; 0 = only at the end
     ckpt_every_steps: int = ranged(5000, 0)             # steps between checkpoints; 0 = only at the end
     num_samples: int = ranged(64, 0)                    # images per sample grid
@@ -1013,6 +1016,7 @@ class Run:  # what train() sets up before its loop
     flops_per_step: int          # counted training FLOPs of one global batch
     peak: float                  # peak FLOP/s of one device at the run's precision
     peak_source: str             # where that peak came from (datasheet, or measured)
+    trackers: typing.Any = None  # runs.Trackers (TensorBoard, wandb) on rank 0 once the run is recorded
 
 
 def data_settings(mc, tc):
@@ -1077,6 +1081,7 @@ def record(run, mc, tc, preset):
             "environment": runs.environment(run.device)}
     name = f"config-resume-{run.step}.json" if tc.resume else "config.json"
     runs.write_json(os.path.join(run.out_dir, name), info)
+    run.trackers = runs.Trackers(tc.log_to, run.out_dir, info, run.step)
     print(f"{run.out_dir}: {n_params / 1e6:.2f}M parameters, {run.loader.n} images "
           f"({type(run.loader).__name__}), {run.world} x {run.device} {b.precision} "
           f"{'NHWC' if b.channels_last else 'NCHW'}, "
@@ -1097,23 +1102,13 @@ def log_interval(run, tc, step, lr, tally, grad_norm, step_times_ms, t_start):
            "kimg": step * tc.batch_size / 1e3, "wall_s": time.time() - t_start}
     row = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
     if run.rank == 0:
-        runs.append_metrics(run.out_dir, row)
+        runs.log_row(run.out_dir, row, run.trackers)
     run.skipped += t["skipped"]
     if t["longest_run"] >= tc.max_nonfinite_steps:
         raise UserError(f"{t['longest_run']} consecutive steps had a non-finite loss or gradient (up to "
                         f"step {step}), all skipped; stopping. The checkpoints in {run.out_dir} hold finite "
                         "weights from before them: lower --lr or check the data, then --resume", RUN_STOPPED)
     return row
-
-
-def progress(row):
-    """The progress bar's postfix for a metrics row."""
-    if row["loss"] is None:
-        return ""
-    if row["img_per_s"] is None:
-        return f"loss {row['loss']:.4f}"
-    return (f"loss {row['loss']:.4f} | {row['img_per_s']:.0f} img/s | {row['tflops']:.3f} TFLOP/s | "
-            f"MFU {100 * row['mfu']:.1f}%")
 
 
 def save_samples(run, mc, tc, step):
@@ -1128,7 +1123,10 @@ def save_samples(run, mc, tc, step):
                            generator=g)
     x = runs.gather_rows(x, rank, world)
     if rank == 0:
-        runs.save_grid(x, os.path.join(run.out_dir, f"samples_{step:07d}.png"), kept=runs.kept(run.out_dir))
+        path = os.path.join(run.out_dir, f"samples_{step:07d}.png")
+        grid = runs.save_grid(x, path, kept=runs.kept(run.out_dir))
+        if run.trackers:
+            run.trackers.image(grid, step)
         runs.plot_losses(run.out_dir)
 
 
@@ -1161,11 +1159,12 @@ def train(mc, tc, preset="custom"):
 
     lock = runs.lock_run_folder(run.out_dir) if lead else None  # one run per folder: a second is refused
     preempt = runs.Preemption(run.world)
-    pbar = tqdm(total=tc.max_steps, initial=step, dynamic_ncols=True, desc="train", disable=not lead)
+    pbar = None
     try:
         if lead:
             runs.mend_metrics(run.out_dir)  # a line cut by a crash is ended before this run appends
             record(run, mc, tc, preset)
+        pbar = tqdm(total=tc.max_steps, initial=step, dynamic_ncols=True, desc="train", disable=not lead)
         if step >= tc.max_steps:
             say(f"note: {run.out_dir} is at step {step}, which is --max_steps={tc.max_steps} or past it: "
                 "nothing to train")
@@ -1186,7 +1185,7 @@ def train(mc, tc, preset="custom"):
             if run.evaluator and step > start_step and (last_step or due(tc.eval_every_steps, step)):
                 row = {"step": step, **run.evaluator(autocast_model(b.ema, run.device, b.precision), b.ema)}
                 if lead:
-                    runs.append_metrics(run.out_dir, row)
+                    runs.log_row(run.out_dir, row, run.trackers)
                 say(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                                for k, v in row.items()))
             if last_step:
@@ -1211,7 +1210,7 @@ def train(mc, tc, preset="custom"):
             # 5. log: one metrics.jsonl row per log_every_steps, the interval's only GPU->CPU sync
             if due(tc.log_every_steps, step) or step == tc.max_steps:
                 row = log_interval(run, tc, step, lr, tally, grad_norm, timer.read_ms(), t_start)
-                pbar.set_postfix_str(progress(row))
+                pbar.set_postfix_str(runs.progress_text(row))
 
             # 6. a stop request (SIGTERM, SIGINT) ends the run after this step, with a checkpoint
             if preempt.requested():
@@ -1221,7 +1220,10 @@ def train(mc, tc, preset="custom"):
                 return run.out_dir
     finally:
         preempt.close()
-        pbar.close()
+        if pbar:
+            pbar.close()
+        if run.trackers:
+            run.trackers.close()
         runs.unlock_run_folder(lock)
     say(f"done: {run.out_dir} (step {step}, {time.time() - t_start:.0f} s)")
     return run.out_dir

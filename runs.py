@@ -164,8 +164,8 @@ def prepare_run_folder(out_dir, preset, resume, world):
         raise UserError(f"--out_dir={out_dir}: cannot make it ({e.strerror or e})") from None
     metrics = os.path.join(out_dir, "metrics.jsonl")
     if os.path.lexists(metrics) and not files.is_regular(metrics):  # appended to, so never replaced
-        raise UserError(f"{metrics} is not a regular file (a link, FIFO or device planted there?); only files "
-                        "this program made are appended to: remove it")
+        raise UserError(f"{metrics} is not a regular file (a link, FIFO or device planted there?); only "
+                        "files this program made are appended to: remove it")
     return out_dir
 
 
@@ -185,6 +185,23 @@ def write_json(path, obj):
 def append_metrics(out_dir, row):
     """One row of metrics.jsonl, as one write of a whole line to a regular file."""
     files.append_line(os.path.join(out_dir, "metrics.jsonl"), json.dumps(row), kept=kept(out_dir))
+
+
+def progress_text(row):
+    """The progress bar's postfix for a metrics row."""
+    if row["loss"] is None:
+        return ""
+    if row["img_per_s"] is None:
+        return f"loss {row['loss']:.4f}"
+    return (f"loss {row['loss']:.4f} | {row['img_per_s']:.0f} img/s | {row['tflops']:.3f} TFLOP/s | "
+            f"MFU {100 * row['mfu']:.1f}%")
+
+
+def log_row(out_dir, row, trackers=None):
+    """A metrics row: to metrics.jsonl, then to the trackers (TensorBoard, wandb) if any."""
+    append_metrics(out_dir, row)
+    if trackers is not None:
+        trackers.log(row)
 
 
 def read_metrics(out_dir):
@@ -363,7 +380,7 @@ def environment(device):
 
 def save_grid(images, path, kept=""):
     """images in [-1, 1], (B, C, H, W) -> a square PNG grid, created fresh; small images are enlarged to be
-    visible."""
+    visible. -> the grid, (C, H, W) in [0, 1]."""
     import torchvision
 
     x = (images.float() + 1) / 2
@@ -372,8 +389,10 @@ def save_grid(images, path, kept=""):
     from PIL import Image
 
     image_format = Image.registered_extensions().get(os.path.splitext(path)[1].lower(), "PNG")
+    grid = torchvision.utils.make_grid(x, nrow=math.ceil(math.sqrt(len(x))), padding=2)
     with files.created(path, kept=kept) as f:
-        torchvision.utils.save_image(x, f, format=image_format, nrow=math.ceil(math.sqrt(len(x))), padding=2)
+        torchvision.utils.save_image(grid, f, format=image_format)
+    return grid.clamp(0, 1)
 
 
 def plot_losses(out_dir):
@@ -392,11 +411,14 @@ def plot_losses(out_dir):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    def curve(key):  # a value a row lacks, or could not hold (NaN is logged as null), leaves a gap
+        return [r[key] if isinstance(r.get(key), (int, float)) else float("nan") for r in rows]
+
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="loss")
+    steps = [r["step"] for r in rows]
+    ax.plot(steps, curve("loss"), label="loss")
     for q in range(4):
-        ax.plot([r["step"] for r in rows], [r[f"loss_q{q}"] for r in rows], lw=0.8, alpha=0.7,
-                label=f"t quartile {q}")
+        ax.plot(steps, curve(f"loss_q{q}"), lw=0.8, alpha=0.7, label=f"t quartile {q}")
     ax.set(xlabel="step", ylabel="loss", yscale="log", title="training loss")
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -405,6 +427,107 @@ def plot_losses(out_dir):
             fig.savefig(f, format="png", dpi=100)
     finally:
         plt.close(fig)
+
+
+# -----------------------------------------------------------------------------
+# Trackers: TensorBoard and wandb see what metrics.jsonl records
+
+
+class Trackers:
+    """TensorBoard and/or wandb (TrainerConfig.log_to), on rank 0: every metrics row at its step (training
+    rows under train/, evaluation rows under eval/), each sample grid as an image, and the config as
+    hyperparameters. TensorBoard's event files live in the run folder, so `tensorboard --logdir runs/` shows
+    one run per folder; the wandb run is named after the folder and keeps its id there (wandb-id), so a
+    resumed run continues the same curves: TensorBoard drops the events a crash left past the checkpoint
+    (purge_step), wandb the steps it already has. A tracker that is not installed, or wandb with neither a
+    login nor WANDB_MODE=offline, is one error line at start-up; one that fails mid-run is one warning and
+    is dropped, and training goes on with metrics.jsonl complete."""
+
+    def __init__(self, log_to, out_dir, config, step):
+        self.tb = self.wandb = None
+        kinds = [] if log_to == "none" else log_to.split(",")
+        if "tensorboard" in kinds:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+                from torch.utils.tensorboard.summary import hparams
+            except ImportError:
+                raise UserError("--log_to=tensorboard: the tensorboard package is not installed "
+                                "(pip install tensorboard; make setup installs it)") from None
+            # resumed at `step`: the events a crash left after that step's checkpoint are dropped
+            self.tb = SummaryWriter(out_dir, purge_step=step + 1 if step else None)
+            flat = flat_config(config)
+            for summary in hparams(flat, {}):
+                self.tb.file_writer.add_summary(summary)
+            self.tb.add_text("config", "    " + json.dumps(config, indent=2).replace("\n", "\n    "), step)
+        if "wandb" in kinds:
+            self.wandb = start_wandb(out_dir, config)
+
+    def log(self, row):
+        step, prefix = row["step"], "train/" if "loss" in row else "eval/"
+        scalars = {prefix + k: v for k, v in row.items()
+                   if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        self._each("tb", lambda tb: [tb.add_scalar(k, v, step) for k, v in scalars.items()] and tb.flush())
+        self._each("wandb", lambda wb: wb.log(scalars, step=step))
+
+    def image(self, grid, step):
+        """grid: (3, H, W) in [0, 1], as save_grid returns it."""
+        self._each("tb", lambda tb: tb.add_image("samples", grid, step) or tb.flush())
+        self._each("wandb", lambda wb: wb.log({"samples": wb_image(grid)}, step=step))
+
+    def close(self):
+        self._each("tb", lambda tb: tb.close())
+        self._each("wandb", lambda wb: wb.finish())
+
+    def _each(self, name, call):
+        tracker = getattr(self, name)
+        if tracker is None:
+            return
+        try:
+            call(tracker)
+        except Exception as e:  # a full disk, a network gone: the run goes on without this tracker
+            print(f"warning: {'TensorBoard' if name == 'tb' else 'wandb'} failed ({type(e).__name__}: "
+                  f"{first_line(e)}); training goes on, metrics.jsonl is complete, and it logs nothing more")
+            setattr(self, name, None)
+
+
+def flat_config(config):
+    """{'model/image_size': 32, ...}: the configs' fields as hyperparameters (tuples as text)."""
+    return {f"{part}/{k}": v if isinstance(v, (int, float, str, bool)) else str(v)
+            for part in ("model", "trainer") for k, v in config[part].items()}
+
+
+def start_wandb(out_dir, config):
+    try:
+        import wandb
+    except ImportError:
+        raise UserError("--log_to=wandb: the wandb package is not installed (pip install wandb)") from None
+    offline = os.environ.get("WANDB_MODE") in ("offline", "disabled", "dryrun")
+    if not offline and not (os.environ.get("WANDB_API_KEY") or wandb_logged_in(wandb)):
+        raise UserError("--log_to=wandb: not logged in to wandb: run `wandb login`, or set "
+                        "WANDB_MODE=offline to write the run to the run folder and `wandb sync` it later")
+    id_path = os.path.join(out_dir, "wandb-id")
+    try:
+        with files.open_regular(id_path, "rb") as f:
+            run_id = f.read(64).decode().strip()
+    except OSError:
+        run_id = os.urandom(8).hex()
+        with files.created(id_path, "w") as f:
+            f.write(run_id + "\n")
+    return wandb.init(project=os.environ.get("WANDB_PROJECT", "ddpm"), name=os.path.basename(
+        os.path.abspath(out_dir)), id=run_id, resume="allow", dir=out_dir, config=flat_config(config))
+
+
+def wandb_logged_in(wandb):
+    try:
+        return bool(wandb.api.api_key)
+    except Exception:
+        return False
+
+
+def wb_image(grid):
+    import wandb
+
+    return wandb.Image((grid.permute(1, 2, 0) * 255).round().byte().numpy())
 
 
 # -----------------------------------------------------------------------------
