@@ -33,6 +33,7 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
+import files  # noqa: E402
 import mfu  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -191,8 +192,6 @@ def peak_cell(row):
     return cell
 
 
-
-
 def add_args(p):
     """The options every comparison has: --warmup, --timed, --contended, --budget_s, --threads, --json."""
     p.add_argument("--warmup", type=int, default=2,
@@ -217,7 +216,8 @@ def print_counts(env, peaks32, peaks16, theirs_flops, ours_flops, ours_meta_flop
 
 
 def finish(args, t_start, env, peaks32, peaks16, flops, rows, **extra):
-    """A note naming the rows timed under contention; every measurement to args.json (when given).
+    """A note naming the rows timed under contention; every measurement to args.json (when given), created
+    fresh and renamed into place (files.created: never written through a link).
     flops = (theirs, ours, ours by mfu.train_flops_per_image), per image."""
     noisy = [row["config"] for row in rows if row["steps_used"] == "all"]
     if noisy:
@@ -225,7 +225,7 @@ def finish(args, t_start, env, peaks32, peaks16, flops, rows, **extra):
               f"steps, for: {', '.join(noisy)}: treat those as noisy")
     if not args.json:
         return
-    with open(args.json, "w") as f:
+    with files.created(args.json, "w") as f:
         json.dump({"environment": env, "peak_fp32_flops": max(peaks32), "peak_bf16_flops": max(peaks16),
                    "peak_fp32_flops_start_end": peaks32, "peak_bf16_flops_start_end": peaks16,
                    "theirs_flops_per_image": flops[0], "ours_flops_per_image": flops[1],

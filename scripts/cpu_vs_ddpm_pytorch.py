@@ -57,6 +57,7 @@ import importlib
 import time
 
 import cpu_timing
+import errors
 from cpu_timing import CPU, count_flops
 
 import torch
@@ -165,7 +166,8 @@ def parse_ours(spec):
     return out
 
 
-def main(argv=None):
+def parse_args(argv):
+    """The command line; --ours is parsed by build_rows (parse_ours)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ours", default="eager:16,cl:16,bf16:16,bf16+cl:16",
@@ -177,16 +179,12 @@ def main(argv=None):
                         "(emulated bf16 is slow)")
     p.add_argument("--no_bf16", action="store_true", help="leave 'theirs bf16+cl' out")
     cpu_timing.add_args(p)
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
 
-    try:
-        importlib.import_module("denoising_diffusion_pytorch")
-    except ImportError as e:
-        print(f"skipped: denoising_diffusion_pytorch is not importable ({e}); "
-              "pip install --no-deps denoising-diffusion-pytorch einops ema-pytorch accelerate pytorch-fid "
-              "safetensors pyyaml")
-        return None
 
+def prepare(args):
+    """Threads set, the header printed, the matmul peaks measured and the FLOPs counted ->
+    (t_start, env, peaks32, peaks16, (theirs, ours, ours by mfu.train_flops_per_image))."""
     torch.set_num_threads(args.threads)
     t_start = time.time()
     env = cpu_timing.environment(args.threads,
@@ -201,14 +199,18 @@ def main(argv=None):
     theirs_flops = count_theirs()
     ours_flops, ours_meta_flops = count_ours()
     cpu_timing.print_counts(env, peaks32, peaks16, theirs_flops, ours_flops, ours_meta_flops)
+    return t_start, env, peaks32, peaks16, (theirs_flops, ours_flops, ours_meta_flops)
 
+
+def build_rows(args, env, flops):
+    """cpu_timing's rows: theirs fp32, fp32+cl and (unless --no_bf16) bf16+cl, then each of --ours."""
     tb = args.theirs_batch
     bf16_timed = args.bf16_timed or (args.timed if env["cpu_bf16_hardware"] else 2)
     bf16_warmup = args.warmup if env["cpu_bf16_hardware"] else min(args.warmup, 1)
 
     def make_row(name, family, build, batch, precision):
         return {"config": name, "family": family, "batch": batch, "precision": precision, "_build": build,
-                "flops_per_image": theirs_flops if family == "theirs" else ours_flops,
+                "flops_per_image": flops[0] if family == "theirs" else flops[1],
                 "timed": args.timed if precision == "fp32" else bf16_timed,
                 "warmup": args.warmup if precision == "fp32" else bf16_warmup}
 
@@ -224,12 +226,12 @@ def main(argv=None):
         rows.append(make_row(f"ours {mode} b{batch}", "ours",
                              (lambda b=batch, cl=cl, comp=comp, prec=prec: build_ours(b, cl, comp, prec)),
                              batch, prec))
+    return rows
 
-    cpu_timing.warm_up(rows)
-    cpu_timing.run_interleaved(rows, args.contended, args.budget_s)
-    peaks32, peaks16 = cpu_timing.summarize(rows, args.contended, peaks32, peaks16)
+
+def report(args, rows, t_start, peaks32, peaks16):
+    """The peaks line and the table."""
     peak32, peak16 = max(peaks32), max(peaks16)
-
     print(f"\nmeasured matmul peak (best of start and end): fp32 {peak32 / 1e9:.1f} GFLOP/s "
           f"({', '.join(f'{v / 1e9:.1f}' for v in peaks32)}), bf16 {peak16 / 1e9:.2f} GFLOP/s; "
           f"median of the uncontended timed steps (others <= {args.contended} cores); "
@@ -247,6 +249,10 @@ def main(argv=None):
               f"{row['gflops'] / ref32['gflops'] if ref32 else float('nan'):.2f}x | "
               f"{row['other_cores_median']:.2f} |")
 
+
+def best_ratios(rows):
+    """Our fastest row (by FLOP/s) against each of theirs, printed with the goals -> ratios by their
+    config."""
     by = {row["config"]: row for row in rows}
     ours_rows = [row for row in rows if row["family"] == "ours"]
     ratios = {}
@@ -261,8 +267,27 @@ def main(argv=None):
                 verdict = f" (goal >= {goal}x: {'met' if fl >= goal else 'NOT met'})" if goal else ""
                 print(f"  vs {ref}: {fl:.2f}x FLOP/s{verdict}, {im:.2f}x img/s"
                       + (" [NOISY: contended steps]" if noisy else ""))
-    cpu_timing.finish(args, t_start, env, peaks32, peaks16, (theirs_flops, ours_flops, ours_meta_flops), rows,
-                      ratios_best_ours=ratios)
+    return ratios
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        importlib.import_module("denoising_diffusion_pytorch")
+    except ImportError as e:
+        print(f"skipped: denoising_diffusion_pytorch is not importable ({e}); "
+              "pip install --no-deps denoising-diffusion-pytorch einops ema-pytorch accelerate pytorch-fid "
+              "safetensors pyyaml")
+        return None
+    with errors.reported():
+        t_start, env, peaks32, peaks16, flops = prepare(args)
+        rows = build_rows(args, env, flops)
+        cpu_timing.warm_up(rows)
+        cpu_timing.run_interleaved(rows, args.contended, args.budget_s)
+        peaks32, peaks16 = cpu_timing.summarize(rows, args.contended, peaks32, peaks16)
+        report(args, rows, t_start, peaks32, peaks16)
+        ratios = best_ratios(rows)
+        cpu_timing.finish(args, t_start, env, peaks32, peaks16, flops, rows, ratios_best_ours=ratios)
     return rows
 
 

@@ -68,6 +68,7 @@ import itertools
 import time
 
 import cpu_timing
+import errors
 from cpu_timing import CPU, count_flops
 from cpu_vs_ddpm_pytorch import count_ours
 
@@ -203,7 +204,8 @@ def shared(cache, key, build):
     return cache[key]
 
 
-def main(argv=None):
+def parse_args(argv):
+    """-> (args, batches, dropouts, our modes, their modes); a bad value exits with one `error:` line."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", default="16,32", help="batch sizes, comma-separated")
@@ -222,14 +224,13 @@ def main(argv=None):
     dropouts = parse_list(args.dropout, float, "--dropout")
     ours_modes = parse_list(args.ours, str, "--ours", OUR_MODES)
     their_modes = parse_list(args.theirs, str, "--theirs", THEIR_MODES)
+    return args, batches, dropouts, ours_modes, their_modes
 
-    try:
-        importlib.import_module("diffusers")
-    except ImportError as e:
-        print(f"skipped: diffusers is not importable ({e}); pip install diffusers")
-        return None
+
+def prepare(args):
+    """Threads and malloc set, the header printed, the matmul peaks measured and the FLOPs counted ->
+    (t_start, env, peaks32, peaks16, (theirs, ours, ours by mfu.train_flops_per_image))."""
     import mfu
-    import runs
 
     torch.set_num_threads(args.threads)
     kept = not args.glibc_default and mfu.keep_freed_memory()  # process-wide: theirs gains from it as well
@@ -244,13 +245,19 @@ def main(argv=None):
     theirs_flops = count_theirs()
     ours_flops, ours_meta_flops = count_ours()
     cpu_timing.print_counts(env, peaks32, peaks16, theirs_flops, ours_flops, ours_meta_flops)
+    return t_start, env, peaks32, peaks16, (theirs_flops, ours_flops, ours_meta_flops)
+
+
+def build_rows(args, batches, dropouts, ours_modes, their_modes, flops):
+    """One row per batch, dropout and configuration (cpu_timing's rows), theirs first."""
+    import runs
 
     cache, rows = {}, []
 
     def add(family, mode, dropout, batch, precision, build):
         rows.append({"config": f"{family} {mode}", "family": family, "mode": mode, "dropout": dropout,
                      "batch": batch, "precision": precision,
-                     "flops_per_image": theirs_flops if family == "theirs" else ours_flops,
+                     "flops_per_image": flops[0] if family == "theirs" else flops[1],
                      "timed": args.timed, "warmup": args.warmup, "_build": build})
 
     for batch, dropout in itertools.product(batches, dropouts):
@@ -267,12 +274,12 @@ def main(argv=None):
                 "fp32" if mode == "fp32" else runs.resolve_precision("auto", CPU), build)
     for row in rows:
         row["config"] += f" p{row['dropout']:g} b{row['batch']}"
+    return rows
 
-    cpu_timing.warm_up(rows)
-    cpu_timing.run_interleaved(rows, args.contended, args.budget_s)
-    peaks32, peaks16 = cpu_timing.summarize(rows, args.contended, peaks32, peaks16)
-    peak32, peak16 = max(peaks32), max(peaks16)
 
+def compare(rows, their_modes, peak16):
+    """Each row's fraction of the bf16 peak, and ours against theirs of the same batch and dropout
+    -> ratios."""
     ratios = {}
     for row in rows:
         row["frac_of_bf16_peak"] = row["gflops"] * 1e9 / peak16
@@ -285,13 +292,18 @@ def main(argv=None):
             ratios[f"{row['config']} / {theirs['config']}"] = {
                 "img_per_s_ratio": row[f"vs_theirs_{ref}"], "flops_ratio": row["gflops"] / theirs["gflops"],
                 "noisy": "all" in (row["steps_used"], theirs["steps_used"])}
+    return ratios
 
+
+def report(args, rows, their_modes, t_start, peaks32, peaks16, flops):
+    """The peaks and counts line, and the table."""
+    peak32, peak16 = max(peaks32), max(peaks16)
     print(f"\nmeasured matmul peak (best of start and end): bf16 {peak16 / 1e9:.1f} GFLOP/s "
           f"({', '.join(f'{v / 1e9:.1f}' for v in peaks16)}), fp32 {peak32 / 1e9:.1f} GFLOP/s "
           f"({', '.join(f'{v / 1e9:.1f}' for v in peaks32)}); median of the uncontended timed steps "
           f"(others <= {args.contended} cores); 'others' = cores other processes kept busy, median over all "
           f"timed steps; "
-          f"counted GFLOP/image: theirs {theirs_flops / 1e9:.2f}, ours {ours_flops / 1e9:.2f}; "
+          f"counted GFLOP/image: theirs {flops[0] / 1e9:.2f}, ours {flops[1] / 1e9:.2f}; "
           f"total wall {time.time() - t_start:.0f} s\n")
     heads = [f"ours / theirs {m} (img/s)" for m in their_modes]
     print("| config | dropout | batch | median ms/step (min-max) | steps used | img/s | counted GFLOP/s | "
@@ -306,8 +318,24 @@ def main(argv=None):
               f"({row['step_ms_min']:.0f}-{row['step_ms_max']:.0f}) | {cpu_timing.steps_used(row)} | "
               f"{row['img_per_s']:.2f} | {row['gflops']:.1f} | {frac} | " + " | ".join(cells) +
               f" | {row['other_cores_median']:.2f} |")
-    cpu_timing.finish(args, t_start, env, peaks32, peaks16, (theirs_flops, ours_flops, ours_meta_flops), rows,
-                      ratios=ratios)
+
+
+def main(argv=None):
+    args, batches, dropouts, ours_modes, their_modes = parse_args(argv)
+    try:
+        importlib.import_module("diffusers")
+    except ImportError as e:
+        print(f"skipped: diffusers is not importable ({e}); pip install diffusers")
+        return None
+    with errors.reported():
+        t_start, env, peaks32, peaks16, flops = prepare(args)
+        rows = build_rows(args, batches, dropouts, ours_modes, their_modes, flops)
+        cpu_timing.warm_up(rows)
+        cpu_timing.run_interleaved(rows, args.contended, args.budget_s)
+        peaks32, peaks16 = cpu_timing.summarize(rows, args.contended, peaks32, peaks16)
+        ratios = compare(rows, their_modes, max(peaks16))
+        report(args, rows, their_modes, t_start, peaks32, peaks16, flops)
+        cpu_timing.finish(args, t_start, env, peaks32, peaks16, flops, rows, ratios=ratios)
     return rows
 
 

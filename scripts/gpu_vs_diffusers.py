@@ -24,13 +24,16 @@ import statistics
 import sys
 
 import cpu_timing  # puts the repository root on sys.path
+import errors
+import files
 from cpu_vs_ddpm_pytorch import count_ours
 from cpu_vs_diffusers import OUR_MODES, THEIR_MODES, build_ours, build_theirs, count_theirs, parse_list
 
 import torch
 
 
-def main(argv=None):
+def parse_args(argv):
+    """-> (args, batches, our modes, their modes); a bad value exits with one `error:` line."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda", help="cuda, cuda:N, or cpu (to test the plumbing)")
     p.add_argument("--batch", default="128", help="batch sizes, comma-separated (Ho et al.'s is 128)")
@@ -46,29 +49,47 @@ def main(argv=None):
     theirs = parse_list(args.theirs, str, "--theirs", THEIR_MODES)
     if args.warmup < 0 or args.timed < 1 or min(batches) < 1:
         raise SystemExit("error: need --warmup >= 0, --timed >= 1 and batches >= 1")
-    try:
-        importlib.import_module("diffusers")
-    except ImportError as e:
-        print(f"skipped: diffusers is not importable ({e}); carry its wheel (scripts/gpu_bench.sh)")
-        return None
-    import mfu
+    return args, batches, ours, theirs
+
+
+def open_device(name):
+    """The device (made current on a GPU, for StepTimer's events and syncs); a bad name exits 1 with one
+    `error:` line."""
     import runs
-    from errors import UserError
 
     try:
-        device = runs.resolve_device(args.device)
-    except UserError as e:
+        device = runs.resolve_device(name)
+    except errors.UserError as e:
         raise SystemExit(f"error: {e}") from None
-    gpu = device.type == "cuda"
-    if gpu:
+    if device.type == "cuda":
         torch.cuda.set_device(device)  # StepTimer's events and syncs use the current device
+    return device
+
+
+def environment(device):
+    """Date, device, torch, diffusers and git state, printed as the header line."""
+    import mfu
+
     name = mfu.device_name(device)
     env = {"date": str(datetime.date.today()), "device": name, "torch": torch.__version__,
            "diffusers": cpu_timing.version("diffusers"), "git": cpu_timing.git_state()}
     print(f"# {env['date']} · {name} · torch {env['torch']} · diffusers {env['diffusers']}", flush=True)
-    flops = {"theirs": count_theirs(), "ours": count_ours()[0]}
-    peak = mfu.datasheet_peak(device, "bf16") if gpu else None
-    peak = peak or mfu.measure_matmul_flops(device, torch.bfloat16)
+    return env
+
+
+def peak_flops(device):
+    """The datasheet's dense bf16 peak on a GPU; else (or unknown) the measured bf16 matmul rate."""
+    import mfu
+
+    peak = mfu.datasheet_peak(device, "bf16") if device.type == "cuda" else None
+    return peak or mfu.measure_matmul_flops(device, torch.bfloat16)
+
+
+def build_rows(args, batches, ours, theirs, device):
+    """One row per batch and configuration, each with its step (`_run`) and its StepTimer (`_timer`);
+    configurations of one side (and, for ours, mode) share one model."""
+    import mfu
+    import runs
 
     steps, rows = {}, []
     for batch, (family, mode) in itertools.product(batches, [("theirs", m) for m in theirs] +
@@ -90,20 +111,29 @@ def main(argv=None):
                 s(b)
         rows.append({"config": f"{family} {mode}", "family": family, "mode": mode, "batch": batch,
                      "_run": run, "_timer": mfu.StepTimer(device)})
-    interrupted = False
+    return rows
+
+
+def run_rows(rows, warmup, timed):
+    """Warm-up steps per row, then `timed` interleaved rounds (ABCD ABCD ...). -> whether it was cut short."""
     try:  # cut short (Ctrl-C, or gpu_bench.sh's cap), the table still has what was measured
         for row in rows:  # warm-up, compilation included
-            for _ in range(args.warmup):
+            for _ in range(warmup):
                 row["_run"]()
             print(f"warmed up: {row['config']} b{row['batch']}", flush=True)
-        for _ in range(args.timed):  # interleaved: ABCD ABCD ...
+        for _ in range(timed):  # interleaved: ABCD ABCD ...
             for row in rows:
                 row["_timer"].start()
                 row["_run"]()
                 row["_timer"].stop()
     except KeyboardInterrupt:
-        interrupted = True
         print("\ninterrupted: the configurations with timed steps so far follow")
+        return True
+    return False
+
+
+def summarize(rows, flops, peak, theirs):
+    """-> the rows with timed steps, each with its median step, img/s, TFLOP/s, MFU and ratios to theirs."""
     for row in rows:
         row["_times"] = row.pop("_timer").read_ms()
         row.pop("_run")
@@ -121,7 +151,11 @@ def main(argv=None):
             other = [r for r in rows if (r["family"], r["mode"], r["batch"]) == ("theirs", ref, row["batch"])]
             if row["family"] == "ours" and other:
                 row[f"vs_theirs_{ref}"] = row["img_per_s"] / other[0]["img_per_s"]
+    return rows
 
+
+def report(args, rows, flops, peak, gpu, theirs):
+    """The counts line and the table."""
     what = "datasheet" if gpu else "measured matmul"
     print(f"\ncounted GFLOP per training image: theirs {flops['theirs'] / 1e9:.2f}, "
           f"ours {flops['ours'] / 1e9:.2f}; MFU against {peak / 1e12:.3g} TFLOP/s bf16 ({what}); "
@@ -135,11 +169,34 @@ def main(argv=None):
         print(f"| {r['config']} | {r['batch']} | {r['step_ms']:.1f} "
               f"({r['step_ms_min']:.1f}-{r['step_ms_max']:.1f}) | {r['img_per_s']:.1f} | {r['tflops']:.2f} | "
               f"{100 * r['mfu_bf16']:.1f}% | " + " | ".join(cells) + " |")
+
+
+def save(args, env, interrupted, peak, rows):
+    """Every measurement to --json (when given), created fresh and renamed into place."""
     if args.json:
-        with open(args.json, "w") as f:
+        with files.created(args.json, "w") as f:
             json.dump({**env, "dropout": args.dropout, "warmup": args.warmup, "timed": args.timed,
                        "interrupted": interrupted, "peak_bf16_tflops": peak / 1e12, "rows": rows}, f,
                       indent=2)
+
+
+def main(argv=None):
+    args, batches, ours, theirs = parse_args(argv)
+    try:
+        importlib.import_module("diffusers")
+    except ImportError as e:
+        print(f"skipped: diffusers is not importable ({e}); carry its wheel (scripts/gpu_bench.sh)")
+        return None
+    with errors.reported():
+        device = open_device(args.device)
+        env = environment(device)
+        flops = {"theirs": count_theirs(), "ours": count_ours()[0]}
+        peak = peak_flops(device)
+        rows = build_rows(args, batches, ours, theirs, device)
+        interrupted = run_rows(rows, args.warmup, args.timed)
+        rows = summarize(rows, flops, peak, theirs)
+        report(args, rows, flops, peak, device.type == "cuda", theirs)
+        save(args, env, interrupted, peak, rows)
     if interrupted:
         sys.exit(130)
     return rows
