@@ -347,39 +347,49 @@ def diffusers_config(model):
 
 def model_fields_from_diffusers(config):
     """A UNet2DModel config.json -> our ModelConfig's network fields; ValueError naming a field it cannot
-    express. The caller builds the model and compares diffusers_config(model) with the config, which catches
-    the rest (a GroupNorm group count or an epsilon that differs from ours)."""
+    express. Fields left out take diffusers' defaults (DIFFUSERS_DEFAULTS). The config's types and sizes are
+    the caller's to check first (diffusers_io.LIMITS: a folder comes from strangers). The caller builds the
+    model and compares diffusers_config(model) with the config, which catches the rest (a GroupNorm group
+    count or an epsilon that differs from ours)."""
+    config = {**DIFFUSERS_DEFAULTS, **config}
+
     def need(ok, field, why):
         if not ok:
-            raise ValueError(f"config.json: {field}={config.get(field)!r} cannot be expressed by this UNet "
-                             f"({why})")
+            value = repr(config.get(field))
+            value = value if len(value) <= 60 else value[:57] + "..."
+            raise ValueError(f"config.json: {field}={value} cannot be expressed by this UNet ({why})")
 
     need(config.get("_class_name", "UNet2DModel") == "UNet2DModel", "_class_name", "only UNet2DModel is")
-    size = config.get("sample_size")
-    size = size[0] if isinstance(size, (list, tuple)) and len(set(size)) == 1 else size
-    need(isinstance(size, int), "sample_size", "square images of a given size only")
-    need(config.get("out_channels") == config.get("in_channels", 3), "out_channels",
+    size = config["sample_size"]
+    size = size[0] if isinstance(size, (list, tuple)) and size and all(s == size[0] for s in size) else size
+    need(isinstance(size, int) and not isinstance(size, bool), "sample_size",
+         "square images of a given size only")
+    need(config["out_channels"] == config["in_channels"], "out_channels",
          "the output has the input's channels: no learned variance")
-    widths = list(config.get("block_out_channels") or [])
-    need(widths and all(isinstance(w, int) and w > 0 for w in widths), "block_out_channels",
-         "positive widths")
+    widths = config["block_out_channels"]
+    widths = list(widths) if isinstance(widths, (list, tuple)) else []
+    need(widths and all(isinstance(w, int) and not isinstance(w, bool) and w > 0 for w in widths),
+         "block_out_channels", "positive widths")
     mult = tuple(int(w // widths[0]) if w % widths[0] == 0 else w / widths[0] for w in widths)
     need(all(int(widths[0] * m) == w for m, w in zip(mult, widths)), "block_out_channels",
          "widths as multiples")
-    down, up = list(config.get("down_block_types") or []), list(config.get("up_block_types") or [])
-    need(len(down) == len(widths) and set(down) <= {"DownBlock2D", "AttnDownBlock2D"}, "down_block_types",
-         "DownBlock2D and AttnDownBlock2D, one per width")
+    down, up = config["down_block_types"], config["up_block_types"]
+    down, up = (list(b) if isinstance(b, (list, tuple)) else [] for b in (down, up))
+    need(len(down) == len(widths) and all(b in ("DownBlock2D", "AttnDownBlock2D") for b in down),
+         "down_block_types", "DownBlock2D and AttnDownBlock2D, one per width")
     attn = [b == "AttnDownBlock2D" for b in down]
     need(up == ["AttnUpBlock2D" if a else "UpBlock2D" for a in reversed(attn)], "up_block_types",
          "the down blocks mirrored")
-    need(config.get("mid_block_type", "UNetMidBlock2D") == "UNetMidBlock2D", "mid_block_type",
-         "a mid block with attention")
-    head_dim = config.get("attention_head_dim", 8)
+    need(config["mid_block_type"] == "UNetMidBlock2D", "mid_block_type", "a mid block with attention")
+    head_dim = config["attention_head_dim"]
+    need(head_dim is None or (isinstance(head_dim, int) and head_dim > 0
+                              and all(w % head_dim == 0 for w in widths)),
+         "attention_head_dim", "heads of one width that divides every block's")
     return dict(image_size=size, channels=config["in_channels"], base_channels=widths[0], channel_mult=mult,
-                num_res_blocks=config.get("layers_per_block", 2),
+                num_res_blocks=config["layers_per_block"],
                 attn_resolutions=tuple(size // 2**i for i, a in enumerate(attn) if a),
                 attn_heads=1 if head_dim is None else 0, attn_head_dim=head_dim or 0,
-                dropout=config.get("dropout", 0.0), num_classes=0, patch_size=1, pos_emb=False)
+                dropout=config["dropout"], num_classes=0, patch_size=1, pos_emb=False)
 
 
 def diffusers_state_dict(model):
@@ -393,30 +403,40 @@ def diffusers_state_dict(model):
     return out
 
 
-def load_diffusers_state_dict(model, state_dict):
-    """Load UNet2DModel tensors into `model`: every tensor used exactly once; a missing, unexpected or
-    misshapen one is a ValueError. Older exports' attention names (query, key, value, proj_attn) are read
-    too."""
+def diffusers_parts(model, state_dict):
+    """-> {our tensor name: its UNet2DModel tensors (one, or q, k and v)}, every tensor of `state_dict` used
+    exactly once and shaped as `model` needs it: a missing, unexpected or misshapen one is a ValueError.
+    Older exports' attention names (query, key, value, proj_attn) are read too. Only the model's tensor shapes
+    are read, so a model on the meta device checks weights against a config before anything is allocated."""
     old = re.compile(r"\.attentions\.(\d+)\.(query|key|value|proj_attn)\.")
     theirs = {old.sub(lambda m: f".attentions.{m[1]}.{DEPRECATED[m[2]]}.", k): v
               for k, v in state_dict.items()}
+    if len(theirs) < len(state_dict):
+        raise ValueError("the diffusers weights hold an attention tensor under its name and its older one")
     ours, used = {}, set()
     for name, param in model.state_dict().items():
         names = diffusers_names(name)
         missing = [n for n in names if n not in theirs]
         if missing:
             raise ValueError(f"the diffusers weights have no tensor {missing[0]}")
-        tensor = torch.cat([theirs[n] for n in names]) if len(names) > 1 else theirs[names[0]]
-        if tensor.shape != param.shape:
-            raise ValueError(f"{names[0]} has shape {tuple(tensor.shape)}; "
-                             f"this model's is {tuple(param.shape)}")
-        ours[name] = tensor
+        part = (param.shape[0] // len(names), *param.shape[1:])  # q, k and v: a third of our qkv each
+        for n in names:  # each on its own: torch.cat would refuse parts of other ranks in a traceback
+            if tuple(theirs[n].shape) != part:
+                raise ValueError(f"{n} has shape {tuple(theirs[n].shape)}; this model's is {part}")
+        ours[name] = [theirs[n] for n in names]
         used.update(names)
     unexpected = sorted(set(theirs) - used)
     if unexpected:
         raise ValueError(f"the diffusers weights hold {len(unexpected)} tensor(s) "
-                         f"this model has no place for: {unexpected[0]}, ...")
-    model.load_state_dict(ours)
+                         f"this model has no place for: {unexpected[0][:80]}, ...")
+    return ours
+
+
+def load_diffusers_state_dict(model, state_dict):
+    """Load UNet2DModel tensors into `model` (diffusers_parts: every tensor used exactly once, or a
+    ValueError)."""
+    parts = diffusers_parts(model, state_dict)
+    model.load_state_dict({name: torch.cat(p) if len(p) > 1 else p[0] for name, p in parts.items()})
     return model
 
 
@@ -440,7 +460,7 @@ def check_diffusers_config(model, config):
     config = {**DIFFUSERS_DEFAULTS, **config}
     unknown = sorted(k for k in config if k not in DIFFUSERS_DEFAULTS and not k.startswith("_"))
     if unknown:
-        raise ValueError(f"config.json: unknown UNet2DModel field {unknown[0]}")
+        raise ValueError(f"config.json: unknown UNet2DModel field {unknown[0][:80]}")
     if config["attn_norm_num_groups"] == config["norm_num_groups"]:
         config["attn_norm_num_groups"] = None
     listed = lambda v: list(v) if isinstance(v, (list, tuple)) else v  # noqa: E731
