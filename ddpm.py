@@ -603,21 +603,23 @@ class Diffusion(torch.nn.Module):
 
     @torch.no_grad()
     def sample(self, model, shape, *, sampler="ddpm", steps=None, y=None, guidance=1.0, generator=None,
-               eta=0.0, threshold="static", percentile=0.995):
+               eta=0.0, threshold="static", percentile=0.995, noise=None):
         """Draw images in [-1, 1] of `shape` = (B, C, H, W), starting from z_T ~ N(0, I), with a sampler of
         the SAMPLERS table (below) on `steps` timesteps spaced as that sampler wants (all T when None).
 
         The sampler sees the network only through denoise(z_t, t) -> (x̂₀, ε̂), with classifier-free
         guidance and `threshold` applied (guided, predict_x0_eps), and ends on x̂₀ at t = 0. `generator`
-        (on any device) makes the noise, and so the samples, reproducible.
+        (on any device) makes the noise, and so the samples, reproducible; or noise(shape) draws it
+        (sample.py: each image from its own generator).
         """
         if sampler not in SAMPLERS:
             raise ValueError(f"unknown sampler '{sampler}'; choose one of {', '.join(SAMPLERS)}")
         device = self.alpha_bar.device
         gen_device = generator.device if generator is not None else device
 
-        def noise():
-            return torch.randn(shape, generator=generator, device=gen_device).to(device)
+        def draw():
+            z = noise(shape) if noise else torch.randn(shape, generator=generator, device=gen_device)
+            return z.to(device)
 
         def denoise(z, t):
             tt = torch.full((shape[0],), t, device=device, dtype=torch.long)
@@ -625,7 +627,7 @@ class Diffusion(torch.nn.Module):
 
         spec = SAMPLERS[sampler]
         ts = self.timestep_sequence(steps, spacing=spec.spacing)
-        return spec.run(self, denoise, noise(), ts, noise, eta).clamp(-1, 1)
+        return spec.run(self, denoise, draw(), ts, draw, eta).clamp(-1, 1)
 
 
     @torch.no_grad()

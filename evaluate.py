@@ -8,15 +8,28 @@
 A library for sample.py and ddpm.py; it imports neither: it is handed the model callable, the Diffusion and
 the config values it needs. Under torch.distributed every rank does 1/world of the work and sums are
 all-reduced.
+
+It is also a command that scores anything against anything (main, below):
+
+    python evaluate.py --fid samples.npz cifar10:train          # an .npz (arr_0: uint8 N x H x W x 3)
+    python evaluate.py --fid generated/ cifar10:train           # an image folder (PNG, JPEG, ...)
+    python evaluate.py --fid cifar10:test cifar10:train         # the data against itself: a sanity check
+    python evaluate.py --fid folder:/data/cifar/test /data/cifar/train --image_size 32 --out check.json
+
+A is scored against B, each an .npz, an image folder (or folder:PATH) or DATASET:SPLIT (cifar10 or shapes,
+train or test; --data_dir). B's statistics are cached in --stats_dir when B is a dataset split.
 """
+import hashlib
+import json
 import os
 import time
+import zipfile
 
 import numpy as np
 import torch
 
 import files
-from errors import UserError
+from errors import UserError, first_line, reported
 
 # FID, Inception Score and precision/recall, with torch-fidelity's InceptionV3 (the TF-FID network, ported
 # bit-exactly). Reference statistics of a training set are computed once and cached as an .npz.
@@ -25,29 +38,86 @@ from errors import UserError
 REFERENCE_KEEP = 10_000  # reference features kept for precision/recall (k-NN balls are O(n^2) in memory)
 
 
-def inception(device):
+WEIGHTS_ENV = "DDPM_INCEPTION_WEIGHTS"  # a local Inception weights file, for machines without internet
+
+
+def inception(device, weights=None):
     """uint8 images (B, 3, H, W) -> (2048-d pool features, 1008 logits), as torch-fidelity computes them.
-    The weights are downloaded once into torch.hub's cache; offline, the error says where to put them."""
+    The weights: `weights` (a path), else $DDPM_INCEPTION_WEIGHTS, else torch.hub's cache, downloaded once
+    (offline, the error says where to put them). A file that is not the network's weights is one UserError
+    line. The extractor carries `weights_sha256` and `weights_path`: what a result records."""
     try:
         from torch_fidelity.feature_extractor_inceptionv3 import URL_INCEPTION_V3, FeatureExtractorInceptionV3
     except ImportError:
         raise UserError("FID needs torch-fidelity: pip install torch-fidelity") from None
-    path = os.path.join(torch.hub.get_dir(), "checkpoints", os.path.basename(URL_INCEPTION_V3))
-    if not os.path.exists(path):
-        try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            torch.hub.download_url_to_file(URL_INCEPTION_V3, path, progress=False)  # via a temporary file
-        except Exception as e:
-            raise UserError(f"cannot download the Inception weights ({type(e).__name__}); offline, "
-                            f"place {URL_INCEPTION_V3} at {path}") from None
+    what = "--inception_weights" if weights else f"${WEIGHTS_ENV}"
+    weights = weights or os.environ.get(WEIGHTS_ENV) or ""
+    if weights:
+        path = weights
+        if not files.is_regular(os.path.realpath(path)):
+            raise UserError(f"{what} {path}: no such file")
+        wrong = f"{what} {path} is not the Inception weights file ({URL_INCEPTION_V3})"
+    else:
+        path = os.path.join(torch.hub.get_dir(), "checkpoints", os.path.basename(URL_INCEPTION_V3))
+        download_weights(URL_INCEPTION_V3, path)
+        wrong = f"{path} is not the Inception weights file: delete it, and place {URL_INCEPTION_V3} there"
     try:
-        # a tensors-only file, before the library loads it
-        torch.load(path, map_location="cpu", weights_only=True)
+        with files.open_regular(path) as f:
+            sha = hashlib.sha256(f.read()).hexdigest()
+            f.seek(0)
+            state = torch.load(f, map_location="cpu", weights_only=True)  # tensors only, before the library
+        if not isinstance(state, dict) or not all(torch.is_tensor(v) for v in state.values()):
+            raise TypeError("not a state dict")
+        extractor = FeatureExtractorInceptionV3("inception-v3-compat", ["2048", "logits_unbiased"],
+                                                feature_extractor_weights_path=path)
+    except Exception as e:  # unreadable, not a torch file, or a network of other names or shapes
+        raise UserError(f"{wrong} ({type(e).__name__}: {first_line(e)[:200]})") from None
+    extractor.weights_sha256, extractor.weights_path = sha, os.path.abspath(path)
+    return extractor.to(device)
+
+
+def download_weights(url, path):
+    """torch-fidelity's Inception weights into torch.hub's cache, once; offline, one line saying where to
+    place them."""
+    if os.path.exists(path):
+        return
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        torch.hub.download_url_to_file(url, path, progress=False)  # via a temporary file
+    except Exception as e:
+        raise UserError(f"cannot download the Inception weights ({type(e).__name__}); offline, "
+                        f"place {url} at {path}, or give its path with --inception_weights or "
+                        f"${WEIGHTS_ENV}") from None
+
+
+def extractor_record(extractor):
+    """What a FID result says of the network that measured it: its name, its weights' SHA-256 (torch.hub
+    names files by the first 8 hex digits of theirs: the official one's begins 6726825d) and torch-fidelity's
+    version."""
+    try:
+        from importlib.metadata import version
+
+        fidelity = version("torch-fidelity")
     except Exception:
-        raise UserError(f"{path} is not the Inception weights file: delete it, and place "
-                        f"{URL_INCEPTION_V3} there") from None
-    return FeatureExtractorInceptionV3("inception-v3-compat", ["2048", "logits_unbiased"],
-                                       feature_extractor_weights_path=path).to(device)
+        fidelity = None
+    return {"network": getattr(extractor, "name", type(extractor).__name__),
+            "weights_sha256": getattr(extractor, "weights_sha256", None),
+            "weights_path": getattr(extractor, "weights_path", None), "torch_fidelity": fidelity}
+
+
+def json_safe(result):
+    """A result with each non-finite number (the Inception Score of weights without the classifier, say) as
+    None: strict JSON has no NaN."""
+    return {k: None if isinstance(v, float) and not np.isfinite(v) else v for k, v in result.items()}
+
+
+def stats_sha256(ref):
+    """SHA-256 of reference statistics (the mean's and covariance's float64 bytes): two results with the
+    same hash were measured against the same reference."""
+    h = hashlib.sha256()
+    for k in ("mu", "sigma"):
+        h.update(np.ascontiguousarray(ref[k], dtype=np.float64).tobytes())
+    return h.hexdigest()
 
 
 def distributed():
@@ -106,15 +176,25 @@ def frechet_distance(mu1, sigma1, mu2, sigma2):
         "frechet_inception_distance"]
 
 
-def reference_stats(extractor, dataset, data_dir, image_size, shapes_count, device, cache_dir, batch=250):
-    """The training set's feature mean and covariance, plus up to REFERENCE_KEEP of its features
-    (precision/recall). Computed once, then read from cache_dir; the file name changes with the data, as a
-    beton's does."""
+def reference_path(extractor, dataset, data_dir, image_size, shapes_count, cache_dir, train=True):
+    """Where a split's statistics are cached: the name changes with the data (as a beton's does) and with
+    the network (its name, and its weights' hash where it has one)."""
     import data
 
-    name = data.beton_name(dataset, data_dir, image_size, shapes_count, train=True)
-    path = os.path.join(
-        cache_dir, name.replace(".beton", f"-{getattr(extractor, 'name', type(extractor).__name__)}.npz"))
+    name = data.beton_name(dataset, data_dir, image_size, shapes_count, train=train)
+    net = getattr(extractor, "name", type(extractor).__name__)
+    sha = getattr(extractor, "weights_sha256", None)
+    suffix = f"-{net}" + (f"-{sha[:12]}" if sha else "") + ".npz"
+    return os.path.join(cache_dir, name.replace(".beton", suffix))
+
+
+def reference_stats(extractor, dataset, data_dir, image_size, shapes_count, device, cache_dir, batch=250,
+                    train=True):
+    """A split's (the training set's by default) feature mean and covariance, plus up to REFERENCE_KEEP of
+    its features (precision/recall). Computed once, then read from cache_dir (reference_path)."""
+    import data
+
+    path = reference_path(extractor, dataset, data_dir, image_size, shapes_count, cache_dir, train)
     rank, world = distributed()
     (cached,) = all_reduce_sum(torch.tensor(float(os.path.exists(path)), dtype=torch.float64))
     # decided together: a rank that skipped the computation would leave the others waiting
@@ -130,10 +210,12 @@ def reference_stats(extractor, dataset, data_dir, image_size, shapes_count, devi
                             "computed again")
         return ref
     try:
-        images, _, _ = data.load_dataset(dataset, data_dir, image_size, shapes_count, train=True)
+        images, _, _ = data.load_dataset(dataset, data_dir, image_size, shapes_count, train=train)
     except UserError as e:
         raise UserError(f"FID reference statistics: {e}") from None
-    print(f"computing FID reference statistics of {dataset} ({len(images)} images) into {path}", flush=True)
+    split = "train" if train else "test"
+    print(f"computing FID reference statistics of {dataset} {split} ({len(images)} images) into {path}",
+          flush=True)
     mine = images[rank::world]
     f, _ = features(extractor, (mine[i : i + batch] for i in range(0, len(mine), batch)), device)
     mu, sigma = mean_cov(f)
@@ -250,3 +332,211 @@ class TrainingEval:
             out["bpd"], out["bpd_images"] = (total[0] / total[1]).item(), int(total[1])
         out["eval_s"] = time.time() - t0
         return out
+
+
+# -----------------------------------------------------------------------------
+# Images from anywhere: .npz files (streamed), image folders and dataset splits, and the command that scores
+# one against another.
+
+SMALL_N = 50_000  # FID is biased upward below this many samples (and published figures use it)
+DATASET_SPLITS = ("cifar10", "shapes")  # DATASET:SPLIT operands; a folder is folder:PATH or just PATH
+
+
+def small_n_warning(n):
+    """The one-line warning for a FID of fewer than SMALL_N samples; '' at SMALL_N or more."""
+    if n >= SMALL_N:
+        return ""
+    return (f"warning: FID is biased upward at small n ({n} < {SMALL_N:,} samples): compare FIDs only at "
+            "equal n, and quote published figures only at 50,000")
+
+
+class NpzImages:
+    """The uint8 images (N, H, W, 3) of an .npz (arr_0, the ADM evaluator's key, or `images`), read batch by
+    batch from the zip entry: memory holds one batch, whatever N. Bad files are one UserError line."""
+
+    def __init__(self, path):
+        self.path = path
+        try:
+            with files.open_regular(path) as f, zipfile.ZipFile(f) as zf:
+                names = zf.namelist()
+                self.key = next((k for k in ("arr_0.npy", "images.npy") if k in names), None)
+                if self.key is None:
+                    raise UserError(f"{path} holds no images: no arr_0 (nor images) array in {names[:5]}")
+                with zf.open(self.key) as a:
+                    self.shape, self.offset = self.header(a)
+        except (OSError, zipfile.BadZipFile, ValueError, EOFError) as e:
+            raise UserError(f"{path} is not a readable .npz ({type(e).__name__}: {first_line(e)})") from None
+
+    def header(self, a):
+        version = np.lib.format.read_magic(a)
+        fmt = np.lib.format
+        read = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
+        shape, fortran, dtype = read(a)
+        if dtype != np.uint8 or fortran or len(shape) != 4 or shape[3] != 3 or shape[1] < 1 or shape[2] < 1:
+            raise UserError(f"{self.path}: {self.key[:-4]} is {dtype} {shape}{' Fortran-ordered' * fortran}; "
+                            "images are uint8 (N, H, W, 3) in C order")
+        return tuple(shape), a.tell()
+
+    def __len__(self):
+        return self.shape[0]
+
+    def batches(self, batch):
+        """-> uint8 (B, 3, H, W) tensors in order."""
+        per = int(np.prod(self.shape[1:]))
+        try:
+            with files.open_regular(self.path) as f, zipfile.ZipFile(f) as zf, zf.open(self.key) as a:
+                a.read(self.offset)
+                for start in range(0, len(self), batch):
+                    b = min(batch, len(self) - start)
+                    buf = a.read(b * per)
+                    if len(buf) != b * per:
+                        raise EOFError(f"{len(self)} images announced, {start + len(buf) // per} present")
+                    x = np.frombuffer(buf, np.uint8).reshape(b, *self.shape[1:])
+                    yield torch.from_numpy(x.copy()).permute(0, 3, 1, 2)
+        except (OSError, zipfile.BadZipFile, ValueError, EOFError) as e:
+            raise UserError(f"{self.path} is not a readable .npz ({type(e).__name__}: "
+                            f"{first_line(e)})") from None
+
+
+def operand(spec):
+    """--fid's A or B -> ('npz', path) | ('folder', path) | ('dataset', name, split)."""
+    if spec.startswith("folder:"):
+        return ("folder", spec[len("folder:"):])
+    name, _, split = spec.partition(":")
+    if name in DATASET_SPLITS and split in ("train", "test") and not os.path.exists(spec):
+        return ("dataset", name, split)
+    if spec.lower().endswith(".npz") and not os.path.isdir(spec):
+        return ("npz", spec)
+    if os.path.isdir(spec):
+        return ("folder", spec)
+    raise UserError(f"--fid {spec}: neither an .npz file, an image folder (or folder:PATH), nor "
+                    f"DATASET:SPLIT with DATASET one of {', '.join(DATASET_SPLITS)} and SPLIT train or test")
+
+
+def describe(op):
+    return f"{op[1]}:{op[2]}" if op[0] == "dataset" else op[1]
+
+
+def operand_batches(op, args, image_size):
+    """-> (the number of images, an iterator of uint8 (B, 3, S, S) batches) of one operand at image_size."""
+    import data
+
+    if op[0] == "npz":
+        images = NpzImages(op[1])
+        batches = images.batches(args.batch)
+        if images.shape[1:3] != (image_size, image_size):
+            batches = (data.resize_center_crop(x, image_size) for x in batches)
+        return len(images), batches
+    if op[0] == "folder":  # data.image_folder reads the whole folder (regular files only)
+        x, _, _ = data.load_dataset("folder", op[1], image_size)
+    else:
+        x, _, _ = data.load_dataset(op[1], args.data_dir, image_size, args.shapes_count,
+                                    train=op[2] == "train")
+    return len(x), iter(x.split(args.batch))
+
+
+def default_image_size(a, b, args):
+    """The resolution both sides are scored at: --image_size, else an .npz's own, else CIFAR-10's 32."""
+    if args.image_size:
+        return args.image_size
+    for op in (a, b):
+        if op[0] == "npz":
+            return NpzImages(op[1]).shape[1]
+    if "cifar10" in (a[1], b[1]):
+        return 32
+    raise UserError("give --image_size: neither side is an .npz or CIFAR-10, whose resolution it would be")
+
+
+def parse_args(argv):
+    import argparse
+
+    p = argparse.ArgumentParser(description="FID (with Inception Score and precision/recall) of A against B.")
+    p.add_argument("--fid", nargs=2, metavar=("A", "B"), required=True,
+                   help="each an .npz (arr_0: uint8 N x H x W x 3, as sample.py and the ADM evaluator "
+                        "write), an image folder (or folder:PATH) or DATASET:SPLIT (cifar10:train, "
+                        "cifar10:test, shapes:train, shapes:test); B is the reference")
+    p.add_argument("--image_size", type=int, default=0,
+                   help="resize (short side) and centre-crop both sides to this; default: an .npz's own "
+                        "resolution, else 32 for CIFAR-10")
+    p.add_argument("--data_dir", default="data", help="where cifar10 is (or is downloaded to)")
+    p.add_argument("--shapes_count", type=int, default=50_000, help="images in the shapes dataset")
+    p.add_argument("--stats_dir", default="data/fid_stats",
+                   help="where a dataset split's reference statistics are cached")
+    p.add_argument("--inception_weights", default="",
+                   help=f"a local copy of torch-fidelity's Inception weights (also ${WEIGHTS_ENV}); default: "
+                        "torch.hub's cache, downloaded once")
+    p.add_argument("--batch", type=int, default=250, help="images per Inception call")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--out", default="", help="also write the result as JSON here")
+    args = p.parse_args(argv)
+    for name in ("batch", "shapes_count"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name} {getattr(args, name)}: must be >= 1")
+    if args.image_size < 0:
+        raise UserError(f"--image_size {args.image_size}: must be >= 1 (or 0: the default)")
+    return args
+
+
+def resolve_device(name):
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+        torch.empty(1, device=device)
+    except (RuntimeError, AssertionError, ValueError) as e:
+        raise UserError(f"--device {name}: not available here ({first_line(e)})") from None
+    return device
+
+
+def side_stats(op, args, extractor, image_size, device):
+    """The reference side B: a dataset split's cached statistics, or those of an .npz's or folder's images.
+    -> (statistics, their record)."""
+    if op[0] == "dataset":
+        path = reference_path(extractor, op[1], args.data_dir, image_size, args.shapes_count, args.stats_dir,
+                              op[2] == "train")
+        ref = reference_stats(extractor, op[1], args.data_dir, image_size, args.shapes_count, device,
+                              args.stats_dir, args.batch, train=op[2] == "train")
+    else:
+        path = None
+        _, batches = operand_batches(op, args, image_size)
+        f, _ = features(extractor, batches, device)
+        mu, sigma = mean_cov(f)
+        ref = {"mu": mu, "sigma": sigma, "features": f[:REFERENCE_KEEP].numpy(), "n": np.array(len(f))}
+    record = {"source": describe(op), "kind": op[0], "split": op[2] if op[0] == "dataset" else None,
+              "images": int(ref["n"]), "image_size": image_size, "sha256": stats_sha256(ref), "cache": path}
+    return ref, record
+
+
+def main(argv=None):
+    """python evaluate.py --fid A B: FID of A against B (the reference), with A's Inception Score and
+    precision/recall, printed and, with --out, written as JSON."""
+    with reported():
+        args = parse_args(argv)
+        a, b = operand(args.fid[0]), operand(args.fid[1])
+        image_size = default_image_size(a, b, args)
+        device = resolve_device(args.device)
+        extractor = inception(device, args.inception_weights)
+        ref, reference = side_stats(b, args, extractor, image_size, device)
+        n, batches = operand_batches(a, args, image_size)
+        warning = small_n_warning(n)
+        if warning:
+            print(warning)
+        feats, logits = features(extractor, batches, device)
+        result = {**json_safe(fid_metrics(feats, logits, ref)), "n": len(feats), "samples": describe(a),
+                  "reference": f"{describe(b)}, {reference['images']} images", "reference_stats": reference,
+                  "inception": extractor_record(extractor),
+                  "fid_note": warning.removeprefix("warning: ") or None}
+        if args.out:
+            with files.created(args.out, "w") as f:
+                json.dump(result, f, indent=2)
+        extra = "".join(f", {k} {result[k]:.4f}" for k in ("inception_score", "precision", "recall")
+                        if result.get(k) is not None)
+        wrote = f"; wrote {args.out}" if args.out else ""
+        fid = f"{result['fid']:.4f}" if result["fid"] is not None else "not a number"
+        print(f"FID {fid}: {describe(a)} ({len(feats)} images) against {describe(b)} "
+              f"({reference['images']} images) at {image_size}px{extra}{wrote}")
+        return result
+
+
+if __name__ == "__main__":
+    main()

@@ -131,10 +131,10 @@ def test_sampling_a_save_pretrained_folder_equals_our_checkpoint(tmp_path):
     for name, ckpt in (("ours", tmp_path / "ema.pt"), ("theirs", tmp_path / "pipe"), ("unet", tmp_path / "pipe" / "unet")):
         sample.main(["--ckpt", str(ckpt), "--n", "3", "--steps", "4", "--sampler", "ddpm",
                      "--out", str(tmp_path / f"{name}.png")])
-    a = np.load(tmp_path / "ours.npz")["images"]
+    a = np.load(tmp_path / "ours.npz")["arr_0"]
     assert a.std() > 0
-    assert np.array_equal(a, np.load(tmp_path / "theirs.npz")["images"])
-    assert np.array_equal(a, np.load(tmp_path / "unet.npz")["images"])
+    assert np.array_equal(a, np.load(tmp_path / "theirs.npz")["arr_0"])
+    assert np.array_equal(a, np.load(tmp_path / "unet.npz")["arr_0"])
 
 
 @pytest.mark.parametrize("file,change,needle", [

@@ -92,7 +92,7 @@ def test_offline_inception_is_one_clear_line(tmp_path, monkeypatch):
 
 
 def test_sample_eval_fid_writes_all_metrics(run_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr(evaluate, "inception", lambda device: TinyFeatures())
+    monkeypatch.setattr(evaluate, "inception", lambda device, weights=None: TinyFeatures())
     out = tmp_path / "fid" / "s.png"
     result = sample.main(["--ckpt", str(run_dir / "ema.pt"), "--eval", "fid", "--n", "24", "--batch", "12",
                           "--steps", "3", "--stats_dir", str(tmp_path / "stats"), "--out", str(out)])
@@ -101,7 +101,7 @@ def test_sample_eval_fid_writes_all_metrics(run_dir, tmp_path, monkeypatch):
     assert result["fid"] > 0 and np.isfinite(result["fid"]) and result["n"] == 24
     assert 0 <= result["precision"] <= 1 and 0 <= result["recall"] <= 1 and result["inception_score"] >= 1
     assert result["reference"] == "shapes train, 512 images"
-    assert np.load(tmp_path / "fid" / "s.npz")["images"].shape == (24, 16, 16, 3)
+    assert np.load(tmp_path / "fid" / "s.npz")["arr_0"].shape == (24, 16, 16, 3)
 
 
 def test_sample_eval_fid_offline_is_one_line(run_dir, tmp_path, capsys, monkeypatch):
@@ -115,7 +115,7 @@ def test_sample_eval_fid_offline_is_one_line(run_dir, tmp_path, capsys, monkeypa
 
 
 def test_training_logs_fid_and_bpd(tmp_path, monkeypatch):
-    monkeypatch.setattr(evaluate, "inception", lambda device: TinyFeatures())
+    monkeypatch.setattr(evaluate, "inception", lambda device, weights=None: TinyFeatures())
     tc = tiny_trainer(tmp_path / "run", max_steps=4, eval_every_steps=2, eval_fid_samples=12, eval_sample_steps=2,
                       eval_bpd_images=6, eval_bpd_strata=2, fid_stats_dir=str(tmp_path / "stats"))
     train(tiny_model(), tc, preset="test")
@@ -127,7 +127,7 @@ def test_training_logs_fid_and_bpd(tmp_path, monkeypatch):
 
 
 def test_training_eval_fails_before_training_when_offline(tmp_path, monkeypatch):
-    def offline(device):
+    def offline(device, weights=None):
         raise UserError("cannot download the Inception weights")
 
     monkeypatch.setattr(evaluate, "inception", offline)

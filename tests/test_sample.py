@@ -17,8 +17,8 @@ def test_writes_grid_and_npz(run_dir, tmp_path, ckpt):
                  "--out", str(out)])
     assert out.exists() and out.stat().st_size > 0
     z = np.load(tmp_path / "grid.npz")
-    assert z["images"].shape == (10, 16, 16, 3) and z["images"].dtype == np.uint8
-    assert z["labels"].tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]
+    assert z["arr_0"].shape == (10, 16, 16, 3) and z["arr_0"].dtype == np.uint8
+    assert z["arr_1"].tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]
 
 
 def test_batching_does_not_change_the_samples(run_dir, tmp_path):
@@ -26,8 +26,8 @@ def test_batching_does_not_change_the_samples(run_dir, tmp_path):
         sample.main(["--ckpt", str(run_dir / "ema.pt"), "--n", "6", "--batch", str(batch), "--sampler", "ddim",
                      "--steps", "4", "--label", "2", "--out", str(tmp_path / f"b{batch}.png")])
     a, b = np.load(tmp_path / "b3.npz"), np.load(tmp_path / "b10.npz")
-    assert (a["labels"] == 2).all()
-    assert a["images"].shape == b["images"].shape == (6, 16, 16, 3)
+    assert (a["arr_1"] == 2).all()
+    assert a["arr_0"].shape == b["arr_0"].shape == (6, 16, 16, 3)
 
 
 @pytest.mark.parametrize("content,needle", [(None, "no checkpoint at"), (b"not a checkpoint", "cannot read checkpoint")])
@@ -45,7 +45,7 @@ def test_split_experts_warm_start_and_sample_together(tmp_path):
     out = tmp_path / "split.png"
     sample.main(["--ckpt", str(tmp_path / "low" / "ema.pt"), "--ckpt_high", str(tmp_path / "high" / "ema.pt"),
                  "--n", "4", "--steps", "6", "--out", str(out)])
-    assert np.load(tmp_path / "split.npz")["images"].shape == (4, 16, 16, 3)
+    assert np.load(tmp_path / "split.npz")["arr_0"].shape == (4, 16, 16, 3)
     with pytest.raises(SystemExit):  # one expert alone is refused
         sample.main(["--ckpt", str(tmp_path / "low" / "ema.pt"), "--out", str(tmp_path / "x.png")])
 
@@ -87,7 +87,7 @@ def test_sampling_defaults_are_the_runs(run_dir, tmp_path):
     explicit = sample.main([*common, "--sampler", "ddim", "--steps", "5", "--guidance", "3", "--threshold",
                             "dynamic", "--out", str(tmp_path / "b.png")])
     assert explicit["threshold"] == "dynamic"
-    a, b = np.load(tmp_path / "a.npz")["images"], np.load(tmp_path / "b.npz")["images"]
+    a, b = np.load(tmp_path / "a.npz")["arr_0"], np.load(tmp_path / "b.npz")["arr_0"]
     assert np.array_equal(a, b)
     static = sample.main([*common, "--threshold", "static", "--steps", "1", "--out", str(tmp_path / "c.png")])
     assert (static["threshold"], static["steps"], static["sampler"]) == ("static", 1, "ddim")
@@ -123,7 +123,7 @@ def test_a_sampler_registered_after_import_is_a_choice(run_dir, tmp_path):
     assert (run["sampler"], run["steps"], run["nfe_per_image"]) == ("dummy", 100, 1)  # all T of the tiny model
     assert calls == [100, 100]  # two batches, each given all T timesteps
     assert out.exists() and out.stat().st_size > 0
-    assert np.load(tmp_path / "dummy.npz")["images"].shape == (3, 16, 16, 3)
+    assert np.load(tmp_path / "dummy.npz")["arr_0"].shape == (3, 16, 16, 3)
     with pytest.raises(SystemExit) as e:
         sample.main(["--ckpt", str(run_dir / "ema.pt"), "--sampler", "dummy", "--out", str(tmp_path / "x.png")])
     assert e.value.code == 2
@@ -138,6 +138,6 @@ def test_heun_samples_through_sample_py(run_dir, tmp_path):
     ts = ddpm.Diffusion(mc).timestep_sequence(4, ddpm.SAMPLERS["heun"].spacing)
     assert (run["sampler"], run["steps"]) == ("heun", 4) and len(ts) > 1
     assert run["nfe_per_image"] == 2 * len(ts) - 1
-    images = np.load(tmp_path / "heun.npz")["images"]
+    images = np.load(tmp_path / "heun.npz")["arr_0"]
     assert images.shape == (3, 16, 16, 3) and images.std() > 0 and out.stat().st_size > 0
     assert run == json.loads((tmp_path / "heun.json").read_text())
