@@ -1166,7 +1166,8 @@ def train(mc, tc, preset="custom"):
         if lead:
             runs.mend_metrics(run.out_dir)  # a line cut by a crash is ended before this run appends
             record(run, mc, tc, preset)
-        pbar = tqdm(total=tc.max_steps, initial=step, dynamic_ncols=True, desc="train", disable=not lead)
+        pbar = tqdm(total=tc.max_steps, initial=step, dynamic_ncols=True, desc="train",
+                    disable=None if lead else True)  # on a terminal only (tqdm's None), and on rank 0
         if step >= tc.max_steps:
             say(f"note: {run.out_dir} is at step {step}, which is --max_steps={tc.max_steps} or past it: "
                 "nothing to train")

@@ -144,13 +144,19 @@ def all_reduce_sum(*tensors):
 
 
 @torch.no_grad()
-def features(extractor, batches, device):
-    """-> (features (N, D), logits (N, K)), float32 on the CPU, of uint8 image batches."""
+def features(extractor, batches, device, desc=None, total=None):
+    """-> (features (N, D), logits (N, K)), float32 on the CPU, of uint8 image batches. desc: a progress bar
+    of `total` images with the time left, on a terminal only (tqdm's disable=None)."""
+    from tqdm import tqdm
+
     feats, logits = [], []
+    bar = tqdm(total=total, desc=desc, unit="img", disable=None if desc else True, leave=False)
     for x in batches:
+        bar.update(len(x))
         f, lg = extractor(x.to(device))
         feats.append(f.float().cpu())
         logits.append(lg.float().cpu())
+    bar.close()
     return torch.cat(feats), torch.cat(logits)
 
 
@@ -217,7 +223,8 @@ def reference_stats(extractor, dataset, data_dir, image_size, shapes_count, devi
     print(f"computing FID reference statistics of {dataset} {split} ({len(images)} images) into {path}",
           flush=True)
     mine = images[rank::world]
-    f, _ = features(extractor, (mine[i : i + batch] for i in range(0, len(mine), batch)), device)
+    f, _ = features(extractor, (mine[i : i + batch] for i in range(0, len(mine), batch)), device,
+                    desc="FID reference statistics", total=len(mine))
     mu, sigma = mean_cov(f)
     kept = f[: REFERENCE_KEEP // world].float().numpy()  # this rank's share; rank 0's is what the cache keeps
     ref = {"mu": mu, "sigma": sigma, "features": kept, "n": np.array(len(images))}
@@ -252,8 +259,13 @@ def fid_metrics(gen_feats, gen_logits, ref, prc=True):
 def held_out_bits(diffusion, model, images, labels, num_classes, device, batch, strata=0, threshold="static",
                   generator=None, progress=False):
     """Bits/dim of uint8 images, batch by batch, in fp32/fp64: the exact bound (strata = 0) or its
-    stratified estimate. -> (bits per image (N,) on the CPU, the estimator's summed variance)."""
+    stratified estimate. -> (bits per image (N,) on the CPU, the estimator's summed variance). progress: a bar
+    with the time left, on a terminal only."""
+    from tqdm import tqdm
+
     bits, est_var = [], 0.0
+    bar = tqdm(total=len(images), desc="bits/dim", unit="img", disable=None if progress else True,
+               leave=False)
     for start in range(0, len(images), batch):
         x0 = images[start : start + batch].to(device).double() / 127.5 - 1
         y = labels[start : start + batch].to(device) if num_classes > 0 else None
@@ -264,8 +276,8 @@ def held_out_bits(diffusion, model, images, labels, num_classes, device, batch, 
         else:
             b = diffusion.bpd(model, x0, y, threshold=threshold, generator=generator)
         bits.append(b.cpu())
-        if progress:
-            print(f"{start + len(x0)}/{len(images)} images", flush=True)
+        bar.update(len(x0))
+    bar.close()
     return torch.cat(bits) if bits else torch.zeros(0, dtype=torch.float64), est_var
 
 
@@ -499,7 +511,7 @@ def side_stats(op, args, extractor, image_size, device):
     else:
         path = None
         _, batches = operand_batches(op, args, image_size)
-        f, _ = features(extractor, batches, device)
+        f, _ = features(extractor, batches, device, desc=f"Inception features of {describe(op)}")
         mu, sigma = mean_cov(f)
         ref = {"mu": mu, "sigma": sigma, "features": f[:REFERENCE_KEEP].numpy(), "n": np.array(len(f))}
     record = {"source": describe(op), "kind": op[0], "split": op[2] if op[0] == "dataset" else None,
@@ -521,7 +533,8 @@ def main(argv=None):
         warning = small_n_warning(n)
         if warning:
             print(warning)
-        feats, logits = features(extractor, batches, device)
+        feats, logits = features(extractor, batches, device, desc=f"Inception features of {describe(a)}",
+                                 total=n)
         result = {**json_safe(fid_metrics(feats, logits, ref)), "n": len(feats), "samples": describe(a),
                   "reference": f"{describe(b)}, {reference['images']} images", "reference_stats": reference,
                   "inception": extractor_record(extractor),

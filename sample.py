@@ -66,6 +66,7 @@ import zipfile
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 import data
 import ddpm
@@ -547,15 +548,21 @@ def draw_shards(args, plan, model, mc, diffusion, device):
     before = args.n - sum(plan.ranges[k][1] - plan.ranges[k][0] for k in plan.missing)
     who = f"rank {plan.rank}: " if plan.world > 1 else ""
     drawn, t0 = 0, time.perf_counter()
+    mine = sum(plan.ranges[k][1] - plan.ranges[k][0] for k in plan.mine(plan.missing))
+    # the time left, on a terminal only (tqdm's disable=None); each rank's own share under torchrun
+    bar = tqdm(total=mine, desc=f"{who}sampling", unit="img", disable=None, leave=False)
     for k in plan.mine(plan.missing):
         images, labels = [], []
         for x, y in draw_batches(args, counted, mc, diffusion, device, *plan.ranges[k]):
             images.append(x)
             labels.append(y)
             drawn += len(x)
-            print(f"{who}{before + drawn}/{args.n} images" if plan.world == 1 else
-                  f"{who}{drawn} images drawn (shard {k})", flush=True)
+            bar.update(len(x))
         save_shard(plan, k, np.concatenate(images), np.concatenate(labels), made)
+    bar.close()
+    if drawn:
+        print(f"{who}{before + drawn}/{args.n} images" if plan.world == 1 else f"{who}{drawn} images drawn",
+              flush=True)
     barrier()
     seconds = time.perf_counter() - t0
     (total,) = evaluate.all_reduce_sum(torch.tensor([float(drawn), float(evaluated[0])], dtype=torch.float64))
@@ -611,7 +618,8 @@ def export_shards(args, plan, extractor, device):
             write_pngs(args.png_dir, images, plan.ranges[k][0], args.n)
         if extractor is not None:
             x = torch.from_numpy(images).permute(0, 3, 1, 2).contiguous()
-            feats, logits = evaluate.features(extractor, x.split(args.batch), device)
+            feats, logits = evaluate.features(extractor, x.split(args.batch), device,
+                                              desc=f"Inception features, shard {k}", total=len(x))
             if plan.world == 1:
                 local[k] = feats, logits
             else:

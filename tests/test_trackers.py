@@ -105,3 +105,27 @@ def test_wandb_without_a_login_is_one_line(tmp_path, capsys, monkeypatch):
     err = one_line_error(capsys, ddpm.main, [*TINY_ARGS, "--loader=torch", "--max_steps=1", "--log_to=wandb",
                                              f"--out_dir={tmp_path}"])
     assert "not logged in to wandb" in err and "WANDB_MODE=offline" in err
+
+
+def test_long_commands_show_progress_on_a_terminal_only(run_dir, tmp_path, capsys, monkeypatch):
+    """The bars (sampling, Inception features, bits/dim, training) are tqdm's with disable=None: drawn on a
+    terminal, and silent when the output is a file or a pipe, as here."""
+    import sample
+
+    capsys.readouterr()
+    sample.main(["--ckpt", str(run_dir / "ema.pt"), "--n", "4", "--batch", "2", "--steps", "2",
+                 "--out", str(tmp_path / "g.png")])
+    assert capsys.readouterr().err == ""
+    drawn = []
+    import tqdm
+
+    real = tqdm.tqdm.__init__
+
+    def spy(self, *args, **kw):
+        drawn.append((kw.get("desc"), kw.get("disable")))
+        real(self, *args, **kw)
+
+    monkeypatch.setattr(tqdm.tqdm, "__init__", spy)
+    sample.main(["--ckpt", str(run_dir / "ema.pt"), "--n", "4", "--batch", "2", "--steps", "2", "--eval", "bpd",
+                 "--strata", "1", "--out", str(tmp_path / "b.png")])
+    assert ("bits/dim", None) in drawn
