@@ -19,6 +19,7 @@ counts as contended: after `timed` rounds, the configurations short of `timed` u
 all of them (flagged).
 """
 import datetime
+import importlib
 import importlib.metadata
 import json
 import os
@@ -71,6 +72,17 @@ class LoadMeter:
         t = os.times()
         own = t.user + t.system - self.cpu0
         return wall, own / wall, max(0.0, (self._busy() - self.busy0 - own) / wall)
+
+
+def importable(package, hint):
+    """True if `package` imports; else one 'skipped:' line with `hint` (how to install it) and False: a
+    comparison without its peer has nothing to measure, and exits 0."""
+    try:
+        importlib.import_module(package)
+        return True
+    except ImportError as e:
+        print(f"skipped: {package} is not importable ({e}); {hint}")
+        return False
 
 
 def measure(fn):

@@ -53,7 +53,6 @@ configurations short of --timed uncontended steps run again (within --budget_s),
 the uncontended steps where there are two or more, else over all of them (flagged in the table).
 """
 import argparse
-import importlib
 import time
 
 import cpu_timing
@@ -272,12 +271,9 @@ def best_ratios(rows):
 
 def main(argv=None):
     args = parse_args(argv)
-    try:
-        importlib.import_module("denoising_diffusion_pytorch")
-    except ImportError as e:
-        print(f"skipped: denoising_diffusion_pytorch is not importable ({e}); "
-              "pip install --no-deps denoising-diffusion-pytorch einops ema-pytorch accelerate pytorch-fid "
-              "safetensors pyyaml")
+    if not cpu_timing.importable("denoising_diffusion_pytorch",
+                                 "pip install --no-deps denoising-diffusion-pytorch einops ema-pytorch "
+                                 "accelerate pytorch-fid safetensors pyyaml"):
         return None
     with errors.reported():
         t_start, env, peaks32, peaks16, flops = prepare(args)

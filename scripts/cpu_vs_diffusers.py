@@ -63,7 +63,6 @@ there are two or more, else over all of them (flagged in the table). Configurati
 weights' values do not matter to the time).
 """
 import argparse
-import importlib
 import itertools
 import time
 
@@ -322,10 +321,7 @@ def report(args, rows, their_modes, t_start, peaks32, peaks16, flops):
 
 def main(argv=None):
     args, batches, dropouts, ours_modes, their_modes = parse_args(argv)
-    try:
-        importlib.import_module("diffusers")
-    except ImportError as e:
-        print(f"skipped: diffusers is not importable ({e}); pip install diffusers")
+    if not cpu_timing.importable("diffusers", "pip install diffusers"):
         return None
     with errors.reported():
         t_start, env, peaks32, peaks16, flops = prepare(args)

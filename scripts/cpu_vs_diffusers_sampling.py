@@ -21,7 +21,6 @@ uncontended steps). Counted GFLOP per image = mfu.forward_flops_per_image x netw
 Without diffusers the script prints one line and exits 0.
 """
 import argparse
-import importlib
 import time
 
 import cpu_timing
@@ -152,10 +151,7 @@ def parse_args(argv):
 
 def main(argv=None):
     args = parse_args(argv)
-    try:
-        importlib.import_module("diffusers")
-    except ImportError as e:
-        print(f"skipped: diffusers is not importable ({e}); pip install diffusers")
+    if not cpu_timing.importable("diffusers", "pip install diffusers"):
         return None
     import mfu
 

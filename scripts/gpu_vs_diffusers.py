@@ -17,7 +17,6 @@ it prints one line and exits 0 (scripts/gpu_bench.sh carries diffusers and impor
 """
 import argparse
 import datetime
-import importlib
 import itertools
 import json
 import statistics
@@ -182,10 +181,7 @@ def save(args, env, interrupted, peak, rows):
 
 def main(argv=None):
     args, batches, ours, theirs = parse_args(argv)
-    try:
-        importlib.import_module("diffusers")
-    except ImportError as e:
-        print(f"skipped: diffusers is not importable ({e}); carry its wheel (scripts/gpu_bench.sh)")
+    if not cpu_timing.importable("diffusers", "carry its wheel (scripts/gpu_bench.sh)"):
         return None
     with errors.reported():
         device = open_device(args.device)
