@@ -528,27 +528,31 @@ SAMPLING_FIELDS = {"sampler", "guidance", "threshold"}  # TrainerConfig fields -
 
 
 def time_sampling(mc, tc, device, precision, batch, steps):
-    """sample.py's speed figures for one batch of the sampler of `tc` with a random network of `mc`."""
+    """sample.py's speed figures for one batch of the sampler of `tc` with a random network of `mc`, through
+    sample.py's network (bf16 weights where autocast is bf16), eager (--compile false)."""
+    import argparse
     import time
 
     import sample
 
     torch.manual_seed(0)
-    net = ddpm.autocast_model(UNet(mc).to(device).eval().requires_grad_(False), device, precision)
+    model = UNet(mc).to(device).eval().requires_grad_(False)
+    options = argparse.Namespace(compile="false", guidance=tc.guidance)
+    net, capture = sample.sampling_network(options, model, mc, device, precision)
     diffusion = ddpm.Diffusion(mc).to(device)
-    counted, evaluated = sample.counting(net)
     y = (torch.arange(batch) % mc.num_classes).to(device) if mc.num_classes else None
     shape = (batch, mc.channels, mc.image_size, mc.image_size)
-    kw = dict(sampler=tc.sampler, y=y, guidance=tc.guidance, threshold=tc.threshold)
+    kw = dict(sampler=tc.sampler, y=y, guidance=tc.guidance, threshold=tc.threshold, capture=capture)
     diffusion.sample(net, shape, steps=min(2, steps or mc.timesteps), **kw)  # warm-up
+    capture.evaluated = 0
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
-    diffusion.sample(counted, shape, steps=steps or None, generator=torch.Generator().manual_seed(0), **kw)
+    diffusion.sample(net, shape, steps=steps or None, generator=torch.Generator().manual_seed(0), **kw)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    speed = sample.sampling_speed(batch, evaluated[0], time.perf_counter() - t0, device)
+    speed = sample.sampling_speed(batch, capture.evaluated, time.perf_counter() - t0, device)
     if device.type != "cuda":  # the process's max RSS spans every row before this one: not per row
         speed.update(peak_memory_bytes=None, peak_memory="n/a on the CPU")
     return speed

@@ -603,14 +603,14 @@ class Diffusion(torch.nn.Module):
 
     @torch.no_grad()
     def sample(self, model, shape, *, sampler="ddpm", steps=None, y=None, guidance=1.0, generator=None,
-               eta=0.0, threshold="static", percentile=0.995, noise=None):
+               eta=0.0, threshold="static", percentile=0.995, noise=None, capture=None):
         """Draw images in [-1, 1] of `shape` = (B, C, H, W), starting from z_T ~ N(0, I), with a sampler of
         the SAMPLERS table (below) on `steps` timesteps spaced as that sampler wants (all T when None).
 
         The sampler sees the network only through denoise(z_t, t) -> (x̂₀, ε̂), with classifier-free
-        guidance and `threshold` applied (guided, predict_x0_eps), and ends on x̂₀ at t = 0. `generator`
-        (on any device) makes the noise, and so the samples, reproducible; or noise(shape) draws it
-        (sample.py: each image from its own generator).
+        guidance and `threshold` applied (guided, predict_x0_eps), and ends on x̂₀ at t = 0. `generator` (any
+        device) or noise(shape) (sample.py: each image from its own generator) draws the noise. capture(step)
+        may wrap that step (t a (B,) tensor): sample.py compiles it whole, as CUDA graphs on a GPU.
         """
         if sampler not in SAMPLERS:
             raise ValueError(f"unknown sampler '{sampler}'; choose one of {', '.join(SAMPLERS)}")
@@ -621,9 +621,12 @@ class Diffusion(torch.nn.Module):
             z = noise(shape) if noise else torch.randn(shape, generator=generator, device=gen_device)
             return z.to(device)
 
-        def denoise(z, t):
-            tt = torch.full((shape[0],), t, device=device, dtype=torch.long)
+        def step(z, tt):
             return self.predict_x0_eps(self.guided(model, z, tt, y, guidance), z, tt, threshold, percentile)
+        step = capture(step) if capture else step
+
+        def denoise(z, t):
+            return step(z, torch.full((shape[0],), t, device=device, dtype=torch.long))
 
         spec = SAMPLERS[sampler]
         ts = self.timestep_sequence(steps, spacing=spec.spacing)
@@ -822,7 +825,6 @@ def heun(d, denoise, z, ts, noise, eta):
         x_euler = x + (sigma(s) - sigma(t)) * eps                # Algorithm 1, lines 5-6
         _, eps_s = denoise(ab[s] ** 0.5 * x_euler, s)            # lines 7-8: ε̂ at the Euler point
         x = x + (sigma(s) - sigma(t)) * (eps + eps_s) / 2
-
 
 
 # -----------------------------------------------------------------------------

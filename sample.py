@@ -26,8 +26,14 @@ AVX512-BF16/AMX), as --precision=auto does in training.
 
 Seeds: image i of a --seed s run draws all its noise (z_T, then each stochastic step's) from its own CPU
 generator, seeded from (s, i) (image_seed), so image i does not depend on the other images, on how many
-processes draw them, or on interruptions; --batch changes it only by the network's float rounding (kernels
-differ with the batch size), and within one --batch and device type it is bitwise the same.
+processes draw them, or on interruptions; --batch and --compile change it only by the network's float
+rounding (kernels differ with the batch size and when compiled), and within one --batch, --compile and device
+type it is bitwise the same.
+
+Speed: --batch 0 (the default) fills the device; the conv and dense weights are stored in bf16 where autocast
+would cast them at every call (the same bits); --compile captures each sampler step whole (network,
+guidance, thresholding) with torch.compile, on a GPU as CUDA graphs (auto: there only), a short last batch
+padded so that one graph serves every batch.
 
 Shards: the images are drawn in shards of --shard_size consecutive indices, each written, as soon as it is
 done, to <out>.shards/shard-NNNNNN.npz (fresh file, renamed into place) with the settings that made it;
@@ -78,6 +84,8 @@ import runs
 from errors import RUN_STOPPED, UserError, first_line
 
 GRID = 256  # images in the grid PNG
+CPU_BATCH = 32  # --batch 0 on a CPU: 16-64 ran alike per image, 128 slower (BENCHMARKS.md)
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")  # torch.compile's
 SHARD_IMAGES = 1000  # the default shard: about this many images, a whole number of batches
 # how image i's noise and label are made: recorded in every shard and result; a change of it changes images
 NOISE_RULE = ("per image: torch.Generator('cpu').manual_seed(image_seed(seed, i)); "
@@ -107,6 +115,7 @@ def command(args, rank, world, device):
     if args.export_diffusers:
         return export_diffusers(args, model, mc)
     diffusion = ddpm.Diffusion(mc).to(device)
+    args.batch = args.batch or device_batch(args, model, mc, device, world)
     if args.eval == "bpd":
         return evaluate_bpd(args, model, mc, run, diffusion, device)
     # the Inception weights and the reference statistics first: fail before sampling
@@ -143,7 +152,15 @@ def parse_args(argv):
                         "run's threshold (static for --eval bpd)")
     p.add_argument("--percentile", type=float, default=0.995, help="dynamic thresholding percentile")
     p.add_argument("--label", type=int, default=-1, help="class to sample; -1 = cycle through all classes")
-    p.add_argument("--batch", type=int, default=256, help="images per network call (memory)")
+    p.add_argument("--batch", type=int, default=0,
+                   help="images per network call; 0 = fill the device: on a CPU %d (the fastest per image "
+                        "measured), on a GPU the largest power of two whose forward pass fits in half its "
+                        "memory (probed)" % CPU_BATCH)
+    p.add_argument("--compile", choices=["auto", "false", *COMPILE_MODES], default="auto",
+                   help="capture each sampler step whole (network, guidance, thresholding) with "
+                        "torch.compile in this mode (reduce-overhead: as CUDA graphs); auto = "
+                        "reduce-overhead on a GPU, false on a CPU (there it compiles for a minute or more to "
+                        "run 2-5%% faster, BENCHMARKS.md)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
     p.add_argument("--out", default="samples.png",
@@ -224,8 +241,8 @@ def choose_settings(args, mc, run, world=1):
     if args.sampler not in ddpm.SAMPLERS:  # the run's own, registered where it trained but not here
         raise UserError(f"the run's sampler '{args.sampler}' is not one of {', '.join(ddpm.SAMPLERS)}: "
                         "choose one with --sampler")
-    if not (0 <= args.steps <= mc.timesteps) or args.n < 1 or args.batch < 1 or args.shard_size < 0:
-        raise UserError(f"need n >= 1, batch >= 1, shard_size >= 0 and 0 <= steps <= {mc.timesteps}")
+    if not (0 <= args.steps <= mc.timesteps) or args.n < 1 or args.batch < 0 or args.shard_size < 0:
+        raise UserError(f"need n >= 1, batch >= 0, shard_size >= 0 and 0 <= steps <= {mc.timesteps}")
     for name, ok in (("guidance", 0 <= args.guidance < math.inf), ("eta", 0 <= args.eta <= 1),
                      ("percentile", 0 < args.percentile <= 1), ("seed", 0 <= args.seed < 2**63),
                      ("strata", 0 <= args.strata < mc.timesteps)):
@@ -343,19 +360,94 @@ def image_labels(args, mc, start, end):
     return torch.arange(start, end) % mc.num_classes
 
 
-def draw_batches(args, net, mc, diffusion, device, start, end):
-    """Yields images start..end-1 as uint8 (B, H, W, C) numpy batches of --batch, with their labels."""
+def draw_batches(args, net, capture, mc, diffusion, device, start, end):
+    """Yields images start..end-1 as uint8 (B, H, W, C) numpy batches of --batch, with their labels. A
+    compiled step sees --batch images only: a short last batch is filled with copies of its last image."""
     labels = image_labels(args, mc, start, end)
     for a in range(start, end, args.batch):
         b = min(end, a + args.batch)
-        y = labels[a - start : b - start] if labels is not None else None
-        x = diffusion.sample(net, (b - a, mc.channels, mc.image_size, mc.image_size),
-                             noise=ImageNoise(args.seed, range(a, b)), sampler=args.sampler,
-                             steps=args.steps or None, y=y.to(device) if y is not None else None,
-                             guidance=args.guidance, eta=args.eta, threshold=args.threshold,
-                             percentile=args.percentile)
+        capture.padding = a + args.batch - b if capture.compiled else 0
+        rows = [*range(a, b), *[b - 1] * capture.padding]
+        y = labels[torch.tensor(rows) - start].to(device) if labels is not None else None
+        x = diffusion.sample(net, (len(rows), mc.channels, mc.image_size, mc.image_size),
+                             noise=ImageNoise(args.seed, rows), sampler=args.sampler,
+                             steps=args.steps or None, y=y, guidance=args.guidance, eta=args.eta,
+                             threshold=args.threshold, percentile=args.percentile, capture=capture)[: b - a]
         yield (evaluate.to_uint8(x).permute(0, 2, 3, 1).numpy(),
-               y.numpy() if y is not None else np.zeros(0, np.int64))
+               y[: b - a].cpu().numpy() if y is not None else np.zeros(0, np.int64))
+
+
+# -----------------------------------------------------------------------------
+# The network as the samplers call it: the batch that fills the device, bf16 weights, the step compiled
+
+
+def device_batch(args, model, mc, device, world):
+    """--batch 0: CPU_BATCH on a CPU; on a GPU the largest power of two (at most --n) whose forward pass, as
+    measured on 8 images, takes at most half the device's memory; the smallest over the ranks."""
+    if device.type != "cuda":
+        return CPU_BATCH
+    probe, passes = 8, 2 if mc.num_classes and args.guidance != 1 else 1
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    z = torch.randn(probe * passes, mc.channels, mc.image_size, mc.image_size, device=device)
+    y = torch.zeros(len(z), dtype=torch.long, device=device) if mc.num_classes else None
+    with torch.no_grad():
+        ddpm.autocast_model(model, device, runs.resolve_precision("auto", device))(
+            z, torch.zeros(len(z), dtype=torch.long, device=device), y)
+    per_image = (torch.cuda.max_memory_allocated(device) - before) / probe
+    fits = max(1, int(torch.cuda.get_device_properties(device).total_memory / 2 / per_image))
+    mine = torch.zeros(world, dtype=torch.float64)
+    mine[torch.distributed.get_rank() if world > 1 else 0] = min(2 ** int(math.log2(fits)), args.n)
+    batch = int(evaluate.all_reduce_sum(mine)[0].min())
+    print(f"--batch {batch}: fills half the GPU's memory ({per_image / 2**20:.1f} MiB an image)", flush=True)
+    return batch
+
+
+@dataclasses.dataclass
+class Capture:
+    """capture(step) for Diffusion.sample: the step compiled in `mode` (None: as it is; on a GPU,
+    reduce-overhead and max-autotune replay it as CUDA graphs), counting the images that go through the
+    network (`evaluated`: a guided step's twice, the `padding` copies of a short batch not at all)."""
+    mode: str | None
+    passes: int
+    graphs: bool
+    evaluated: int = 0
+    padding: int = 0
+
+    @property
+    def compiled(self):
+        return self.mode is not None
+
+    def __call__(self, step):
+        if self.compiled:  # one shape: a short batch is padded (draw_batches), never compiled again
+            step = torch.compile(step, mode=self.mode, dynamic=False)
+
+        def counted(z, t):
+            self.evaluated += (len(z) - self.padding) * self.passes
+            if self.graphs:  # a replay overwrites the last one's outputs, which the samplers keep: copies
+                torch.compiler.cudagraph_mark_step_begin()
+                return tuple(out.clone() for out in step(z, t))
+            return step(z, t)
+        return counted
+
+
+def sampling_network(args, model, mc, device, precision):
+    """-> (the network the samplers call, the Capture of their step). bf16 weights for the convolutions and
+    dense layers where autocast would cast them to bf16 at every call (the same bits, tested); compiled, the
+    weights in channels_last."""
+    nets = [model.low, model.high] if isinstance(model, ddpm.SplitModel) else [model]
+    mode = args.compile if args.compile != "auto" else "reduce-overhead" if device.type == "cuda" else "false"
+    for net in nets:
+        for layer in net.modules():
+            if precision == "bf16" and isinstance(layer, (torch.nn.Conv2d, torch.nn.Linear)):
+                layer.to(torch.bfloat16)
+        if mode != "false":
+            net.to(memory_format=torch.channels_last)
+    passes = 2 if mc.num_classes and args.guidance != 1 else 1
+    graphs = device.type == "cuda" and mode in ("reduce-overhead", "max-autotune")
+    capture = Capture(None if mode == "false" else mode, passes, graphs)
+    return ddpm.autocast_model(model, device, precision), capture
 
 
 # -----------------------------------------------------------------------------
@@ -540,20 +632,23 @@ def draw_shards(args, plan, model, mc, diffusion, device):
     """This rank's share of the missing shards, each written when done. -> the settings and speed, as the
     .json records them (the speed of the images drawn by this run, over all ranks)."""
     precision = runs.resolve_precision("auto", device)  # bf16 where the hardware has it, as in training
-    net = ddpm.autocast_model(model, device, precision)
-    counted, evaluated = counting(net)
-    made = {"batch": args.batch, "device": device.type, "autocast": precision, "torch": torch.__version__}
+    missing = sum(plan.ranges[k][1] - plan.ranges[k][0] for k in plan.missing)
+    mine = sum(plan.ranges[k][1] - plan.ranges[k][0] for k in plan.mine(plan.missing))
+    net, capture = sampling_network(args, model, mc, device, precision)
+    if capture.compiled and mine and plan.rank == 0:
+        print(f"compiling the sampler step (torch.compile, {capture.mode})", flush=True)
+    made = {"batch": args.batch, "device": device.type, "autocast": precision, "torch": torch.__version__,
+            "compile": capture.mode or "false"}
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    before = args.n - sum(plan.ranges[k][1] - plan.ranges[k][0] for k in plan.missing)
+    before = args.n - missing
     who = f"rank {plan.rank}: " if plan.world > 1 else ""
     drawn, t0 = 0, time.perf_counter()
-    mine = sum(plan.ranges[k][1] - plan.ranges[k][0] for k in plan.mine(plan.missing))
     # the time left, on a terminal only (tqdm's disable=None); each rank's own share under torchrun
     bar = tqdm(total=mine, desc=f"{who}sampling", unit="img", disable=None, leave=False)
     for k in plan.mine(plan.missing):
         images, labels = [], []
-        for x, y in draw_batches(args, counted, mc, diffusion, device, *plan.ranges[k]):
+        for x, y in draw_batches(args, net, capture, mc, diffusion, device, *plan.ranges[k]):
             images.append(x)
             labels.append(y)
             drawn += len(x)
@@ -565,7 +660,8 @@ def draw_shards(args, plan, model, mc, diffusion, device):
               flush=True)
     barrier()
     seconds = time.perf_counter() - t0
-    (total,) = evaluate.all_reduce_sum(torch.tensor([float(drawn), float(evaluated[0])], dtype=torch.float64))
+    (total,) = evaluate.all_reduce_sum(torch.tensor([float(drawn), float(capture.evaluated)],
+                                                    dtype=torch.float64))
     drawn_all, evaluated_all = int(total[0]), int(total[1])
     speed = (sampling_speed(drawn_all, evaluated_all, seconds, device) if drawn_all else
              {"seconds": seconds, "img_per_s": None, "s_per_img": None, "nfe_per_image": None,
@@ -575,7 +671,8 @@ def draw_shards(args, plan, model, mc, diffusion, device):
             "percentile": args.percentile, "seed": args.seed, "label": args.label, "noise": NOISE_RULE,
             "weights": plan.checkpoints[0]["weights"], "checkpoint": plan.checkpoints[0],
             **({"checkpoint_high": plan.checkpoints[1]} if args.ckpt_high else {}),
-            "batch": args.batch, "device": str(device), "autocast": precision, "world_size": plan.world,
+            "batch": args.batch, "device": str(device), "autocast": precision, "compile": made["compile"],
+            "world_size": plan.world,
             "drawn": drawn_all, "resumed": before, "shard_size": plan.settings["shard_size"], **speed}
 
 
@@ -703,17 +800,6 @@ def remove_shards(plan):
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(plan.folder, name))
         os.rmdir(plan.folder)
-
-
-def counting(net):
-    """-> (net, counting the images it evaluates, a guided step twice; a one-element list with the count)"""
-    evaluated = [0]
-
-    def counted(z, t, y=None):
-        evaluated[0] += len(z)
-        return net(z, t, y)
-
-    return counted, evaluated
 
 
 def sampling_speed(n, evaluated, seconds, device):

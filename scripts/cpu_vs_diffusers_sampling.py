@@ -4,23 +4,30 @@ and weights.
     .venv/bin/python scripts/cpu_vs_diffusers_sampling.py --json sampling.json        # ~5 min on 2 cores
     .venv/bin/python scripts/cpu_vs_diffusers_sampling.py --batch 16 --steps 10 --timed 5
 
-The network: Ho et al.'s CIFAR-10 UNet (35.7M parameters; `ho`), random weights drawn once, copied into
-diffusers' UNet2DModel through unet.diffusers_state_dict (tests/test_diffusers.py checks the two compute the
-same function). One timed step = one batch of --batch images through --steps sampler steps, ending in uint8
-images on the host, as each side's user gets them:
+The network: Ho et al.'s CIFAR-10 UNet (35.7M parameters; `ho`), random weights drawn once (Ho's
+initialisation plus N(0, 0.02^2): his zero-initialised last layers would leave the images the noise's),
+copied into diffusers' UNet2DModel through unet.diffusers_state_dict (tests/test_diffusers.py checks the two
+compute the same function). One timed step = one batch of --batch images through --steps sampler steps,
+ending in uint8 images on the host, as each side's user gets them:
   theirs ddim fp32   DDIMPipeline(unet, DDIMScheduler(linear betas, 1000 steps))(batch_size,
                      num_inference_steps, eta=0, output_type="np"), the UNet in fp32.
   theirs ddim bf16   the same call under torch.autocast('cpu', bfloat16) (a UNet cast to bf16 breaks their
                      pipeline: its scheduler arithmetic meets bf16 tensors).
   theirs ddpm fp32 / bf16   DDPMPipeline likewise (ancestral, respaced to --steps).
-  ours ddim / ddpm   Diffusion.sample(sampler=...) as sample.py runs it: the EMA network under autocast at
-                     --precision=auto (bf16 on AVX512-BF16 CPUs), no gradient state, then to uint8.
-  ours ... fp32      the same in fp32.
+  ours ddim / ddpm   Diffusion.sample(sampler=...) as sample.py runs it (sample.sampling_network, each
+                     image's noise from its own generator): autocast at --precision=auto (bf16 on
+                     AVX512-BF16 CPUs) over bf16 conv and dense weights, no gradient state, then to uint8.
+  ours ... compiled  the same with sample.py --compile default: each sampler step compiled whole
+                     (torch.compile, channels_last weights); compiling is in the warm-up.
+  ours ... fp32      eager, in fp32.
+--profile adds, for each row, one profiled batch: the share of its CPU time in the convolutions (oneDNN's, by
+op name), as BENCHMARKS.md reports it (the profiler's own overhead falls on the many small ops outside them).
 Timing, contention handling and the matmul peaks: scripts/cpu_timing.py (interleaved rounds, medians of the
 uncontended steps). Counted GFLOP per image = mfu.forward_flops_per_image x network evaluations.
 Without diffusers the script prints one line and exits 0.
 """
 import argparse
+import copy
 import time
 
 import cpu_timing
@@ -32,22 +39,25 @@ import torch
 SAMPLERS = ("ddim", "ddpm")
 
 
-def networks():
-    """-> (our UNet, their UNet2DModel with the same weights, ModelConfig), both eval, no gradients."""
+def networks(base_channels=128):
+    """-> (our UNet, their UNet2DModel with the same weights, ModelConfig), both eval, no gradients: Ho's
+    network, or narrower for plumbing tests."""
     import ddpm
     import unet
     from diffusers import UNet2DModel
 
     torch.manual_seed(0)
-    mc = ddpm.ModelConfig(dropout=0.0)
+    mc = ddpm.ModelConfig(dropout=0.0, base_channels=base_channels)
     ours = unet.UNet(mc).eval().requires_grad_(False)
+    for p in ours.parameters():  # Ho's last layers start at ~0: this makes the images depend on the network
+        p.add_(0.02 * torch.randn_like(p))
     config = {k: v for k, v in unet.diffusers_config(ours).items() if not k.startswith("_")}
     theirs = UNet2DModel(**config).eval().requires_grad_(False)
     theirs.load_state_dict(unet.diffusers_state_dict(ours))
     return ours, theirs, mc
 
 
-def build_theirs(theirs, sampler, bf16, batch, steps):
+def build_theirs(theirs, sampler, bf16, batch, steps, device=CPU):
     from diffusers import DDIMPipeline, DDIMScheduler, DDPMPipeline, DDPMScheduler
 
     kw = dict(num_train_timesteps=1000, beta_schedule="linear", beta_start=1e-4, beta_end=0.02)
@@ -58,9 +68,10 @@ def build_theirs(theirs, sampler, bf16, batch, steps):
         pipe = DDPMPipeline(unet=theirs, scheduler=DDPMScheduler(**kw))
         extra = {}
     pipe.set_progress_bar_config(disable=True)
+    pipe.to(device)
 
     def step():
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             images = pipe(batch_size=batch, num_inference_steps=steps, output_type="np",
                           generator=torch.Generator().manual_seed(0), **extra).images
         return (images * 255).round().astype("uint8")
@@ -68,21 +79,24 @@ def build_theirs(theirs, sampler, bf16, batch, steps):
     return step
 
 
-def build_ours(ours, mc, sampler, precision, batch, steps):
+def build_ours(ours, mc, sampler, precision, batch, steps, compile="false", device=CPU):
+    """-> a step drawing one batch to uint8 as sample.py does, --compile `compile` (false: eager)."""
     import ddpm
-    import runs
+    import evaluate
+    import sample
 
-    precision = runs.resolve_precision(precision, CPU)
-    diffusion = ddpm.Diffusion(mc)
-    net = ddpm.autocast_model(ours, CPU, precision)
+    diffusion = ddpm.Diffusion(mc).to(device)
+    options = argparse.Namespace(compile=compile, guidance=1.0)
+    # a copy: sampling_network stores the weights in bf16 (and channels_last when compiling)
+    net, capture = sample.sampling_network(options, copy.deepcopy(ours).to(device), mc, device, precision)
     shape = (batch, mc.channels, mc.image_size, mc.image_size)
 
     def step():
-        x = diffusion.sample(net, shape, sampler=sampler, steps=steps,
-                             generator=torch.Generator().manual_seed(0))
-        return ((x + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).numpy()
+        x = diffusion.sample(net, shape, sampler=sampler, steps=steps, capture=capture,
+                             noise=sample.ImageNoise(0, range(batch)))
+        return evaluate.to_uint8(x).permute(0, 2, 3, 1).cpu().numpy()
 
-    return step, precision
+    return step
 
 
 def build_rows(args, flops_per_eval):
@@ -92,9 +106,10 @@ def build_rows(args, flops_per_eval):
     n = sum(p.numel() for p in ours.parameters())
     rows = []
 
-    def add(family, sampler, precision, build):
-        rows.append({"config": f"{family} {sampler} {precision}", "family": family, "sampler": sampler,
-                     "precision": precision, "batch": args.batch, "steps": args.steps,
+    def add(family, sampler, precision, build, compiled=False):
+        rows.append({"config": f"{family} {sampler} {precision}" + " compiled" * compiled, "family": family,
+                     "sampler": sampler, "precision": precision, "compiled": compiled,
+                     "batch": args.batch, "steps": args.steps,
                      "flops_per_image": flops_per_eval * args.steps, "timed": args.timed,
                      "warmup": args.warmup, "_build": lambda: (build(), n)})
 
@@ -103,32 +118,50 @@ def build_rows(args, flops_per_eval):
         for precision in ("fp32", "bf16"):
             add("theirs", sampler, precision,
                 lambda s=sampler, b=precision == "bf16": build_theirs(theirs, s, b, args.batch, args.steps))
-        for precision in dict.fromkeys((auto, "fp32")):
-            add("ours", sampler, precision,
-                lambda s=sampler, p=precision: build_ours(ours, mc, s, p, args.batch, args.steps)[0])
+        for precision, compile in dict.fromkeys([(auto, "false"), (auto, "default"), ("fp32", "false")]):
+            build = lambda s=sampler, p=precision, c=compile: build_ours(  # noqa: E731
+                ours, mc, s, p, args.batch, args.steps, c)
+            add("ours", sampler, precision, build, compiled=compile != "false")
     return rows
+
+
+def conv_shares(rows):
+    """One profiled batch of each row: the share of its CPU time spent in convolutions (row['conv_share'])."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for row in rows:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            row["_step"]()
+        events = prof.key_averages()
+        total = sum(e.self_cpu_time_total for e in events)
+        row["conv_share"] = sum(e.self_cpu_time_total for e in events if "convolution" in e.key) / total
+        print(f"profile {row['config']}: {100 * row['conv_share']:.0f}% of {total / 1e6:.2f} s in "
+              "convolutions", flush=True)
 
 
 def report(rows, args, peak16):
     print("\n| config | batch x steps | median s/batch (min-max) | steps used | img/s | counted GFLOP/s | "
-          "of bf16 matmul peak | ours / theirs fp32 | ours / theirs bf16 | others |\n" + "|---" * 10 + "|")
+          "of bf16 matmul peak | ours / theirs fp32 | ours / theirs bf16 | in convolutions | others |\n"
+          + "|---" * 11 + "|")
     ratios = {}
     for row in rows:
         cells = []
         for ref in ("fp32", "bf16"):
             theirs = next(r for r in rows if r["family"] == "theirs" and r["sampler"] == row["sampler"]
-                          and r["precision"] == ref)
+                          and r["precision"] == ref and not r["compiled"])
             if row["family"] == "ours":
                 ratio = theirs["step_ms"] / row["step_ms"]
                 ratios[f"{row['config']} / {theirs['config']}"] = ratio
                 cells.append(f"{ratio:.2f}x")
             else:
                 cells.append("")
+        conv = f"{100 * row['conv_share']:.0f}%" if "conv_share" in row else ""
         print(f"| {row['config']} | {args.batch} x {args.steps} | {row['step_ms'] / 1e3:.2f} "
               f"({row['step_ms_min'] / 1e3:.2f}-{row['step_ms_max'] / 1e3:.2f}) | "
               f"{cpu_timing.steps_used(row)} | "
               f"{row['img_per_s']:.2f} | {row['gflops']:.1f} | {100 * row['gflops'] * 1e9 / peak16:.0f}% | "
-              f"{' | '.join(cells)} | {row['other_cores_median']:.2f} |")
+              f"{' | '.join(cells)} | {conv} | "
+              f"{row['other_cores_median']:.2f} |")
     return ratios
 
 
@@ -138,6 +171,8 @@ def parse_args(argv):
     p.add_argument("--batch", type=int, default=16, help="images per sampled batch")
     p.add_argument("--steps", type=int, default=10, help="sampler steps (network evaluations per image)")
     p.add_argument("--samplers", default="ddim", help=f"comma-separated: {', '.join(SAMPLERS)}")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile one batch of each row: its share of time in the convolutions")
     cpu_timing.add_args(p)
     p.set_defaults(warmup=1, timed=5)
     args = p.parse_args(argv)
@@ -169,6 +204,8 @@ def main(argv=None):
         rows = build_rows(args, flops_per_eval)
         cpu_timing.warm_up(rows)
         cpu_timing.run_interleaved(rows, args.contended, args.budget_s)
+        if args.profile:
+            conv_shares(rows)
         peaks32, peaks16 = cpu_timing.summarize(rows, args.contended, peaks32, peaks16)
         ratios = report(rows, args, max(peaks16))
         flops = (flops_per_eval * args.steps,) * 3

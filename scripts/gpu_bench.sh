@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On one GPU (H100/H200 class), in 7 to 9 minutes, everything under OUT_DIR:
+# On one GPU (H100/H200 class), in 8 to 10 minutes, everything under OUT_DIR:
 #   env.txt           nvidia-smi, torch, git HEAD
 #   gpu_tests.md      the GPU-only tests (tests/test_gpu.py)
 #   seed.*            the efficiency ladder (benchmark.py) for 'seed', every row
@@ -8,9 +8,12 @@
 #   patch.*           the paper's memory claim: lsun-p4 at its own P = 4 against P = 1, largest batches
 #   sample.*          sampling speed across P = 1, 2, 4, 8 (benchmark.py --sample, lsun-p4)
 #   vs_diffusers.*    our training step against diffusers' on the same network (scripts/gpu_vs_diffusers.py)
+#   vs_sampling.*     our DDIM sampling, eager and replayed as CUDA graphs, against diffusers' DDIMPipeline in
+#                     fp32 and bf16, and the graphed images against the eager ones
+#                     (scripts/gpu_vs_diffusers_sampling.py)
 # Each .md is a command's output, each .json its rows, status.txt the exit statuses. Each command has a time
 # cap (the *_S variables, in seconds; at its cap a command gets SIGINT and then prints and saves what it
-# measured, and 20 s later SIGKILL): the caps add up to 420 s, 540 s at the very most. A dry run has none but an
+# measured, and 20 s later SIGKILL): the caps add up to 460 s, 600 s at the very most. A dry run has none but an
 # hour per command, a hang guard: it tests the plumbing on any machine, however slow or busy. Needs bash >= 4.4.
 # Never yet run on a GPU: how far each ladder gets within its cap is unmeasured.
 # What it cannot have, it skips: without ffcv the FFCV row, without torchinfo its column, without diffusers the
@@ -41,6 +44,7 @@ if [ $dry = 1 ]; then  # tiny models and a step or two per row, on the CPU
          --warmup 1)
   samp=(--preset demo "${tiny[@]}" --patch_sizes 1,2 --sample_steps 1 --sample_batch 2)
   vs=(--device cpu --batch 2 --ours eager --theirs bf16 --warmup 1 --timed 1)
+  vss=(--device cpu --base_channels 64 --batch 2 --steps 2 --ours eager,graphed --theirs bf16 --warmup 1 --timed 1)
 else
   on=()
   seed=(--preset seed --max_batch 1024 --warmup 5 --iters 20)
@@ -53,6 +57,7 @@ else
                  )patch_size 1 at the largest batch")
   samp=(--preset lsun-p4 --patch_sizes 1,2,4,8 --sample_steps 10 --sample_batch 16)
   vs=(--batch 128 --warmup 5 --timed 20)
+  vss=(--batch 256 --steps 10 --ours eager,graphed --theirs bf16,fp32 --warmup 2 --timed 10)
 fi
 
 { nvidia-smi; $py -c "import torch; print('torch', torch.__version__, torch.version.cuda)"; git rev-parse HEAD; } \
@@ -65,15 +70,17 @@ run() {  # NAME CAP COMMAND...: its output in NAME.md, its exit status in status
   echo "$name ${PIPESTATUS[0]}" >> "$out/status.txt"
 }
 if $py -c "import pytest" 2>/dev/null; then
-  run gpu_tests "${TESTS_S:-60}" $py -m pytest -q -p no:cacheprovider tests/test_gpu.py
+  run gpu_tests "${TESTS_S:-70}" $py -m pytest -q -p no:cacheprovider tests/test_gpu.py
 else
   echo "pytest is not installed: GPU tests skipped" | tee "$out/gpu_tests.md"
 fi
-run seed "${SEED_S:-120}" $py benchmark.py "${on[@]}" "${seed[@]}" --json "$out/seed.json"
-run ho "${HO_S:-60}" $py benchmark.py "${on[@]}" "${ho[@]}" --json "$out/ho.json"
-run patch "${PATCH_S:-60}" $py benchmark.py "${on[@]}" "${patch[@]}" --json "$out/patch.json"
+run seed "${SEED_S:-90}" $py benchmark.py "${on[@]}" "${seed[@]}" --json "$out/seed.json"
+run ho "${HO_S:-50}" $py benchmark.py "${on[@]}" "${ho[@]}" --json "$out/ho.json"
+run patch "${PATCH_S:-50}" $py benchmark.py "${on[@]}" "${patch[@]}" --json "$out/patch.json"
 run sample "${SAMPLE_S:-30}" $py benchmark.py "${on[@]}" --sample "${samp[@]}" --json "$out/sample.json"
-run vs_diffusers "${VS_S:-90}" $py scripts/gpu_vs_diffusers.py "${vs[@]}" --json "$out/vs_diffusers.json"
+run vs_diffusers "${VS_S:-70}" $py scripts/gpu_vs_diffusers.py "${vs[@]}" --json "$out/vs_diffusers.json"
+run vs_sampling "${VS_SAMPLING_S:-100}" $py scripts/gpu_vs_diffusers_sampling.py "${vss[@]}" \
+  --json "$out/vs_sampling.json"
 cat "$out/status.txt"
 # a dry run fails if any command did (on the GPU a capped ladder is expected and keeps its rows)
 if [ $dry = 1 ] && grep -qv ' 0$' "$out/status.txt"; then exit 1; fi

@@ -174,7 +174,7 @@ def test_any_patch_size_attends_over_the_same_regions(preset, q, attn):
 
 def test_gpu_bench_dry_run_runs_every_command_on_the_cpu(tmp_path):
     """scripts/gpu_bench.sh --dry-run: the GPU script's every command, with tiny settings on the CPU, so its plumbing
-    is tested although no GPU has run it. About a minute on 2 cores."""
+    is tested although no GPU has run it. About two minutes on 2 cores."""
     import os
     import subprocess
     import sys
@@ -186,7 +186,7 @@ def test_gpu_bench_dry_run_runs_every_command_on_the_cpu(tmp_path):
                           text=True, env={**os.environ, "PYTHON": sys.executable}, timeout=3600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     status = dict(line.split() for line in (out / "status.txt").read_text().splitlines())
-    assert status == {k: "0" for k in ("gpu_tests", "seed", "ho", "patch", "sample", "vs_diffusers")}
+    assert status == {k: "0" for k in ("gpu_tests", "seed", "ho", "patch", "sample", "vs_diffusers", "vs_sampling")}
     seed = json.loads((out / "seed.json").read_text())["rows"]
     assert {r["version"] for r in seed if "skipped" not in r} >= {"baseline", "grad accumulation x4",
                                                                   "activation checkpointing", "patch_size 2"}
@@ -196,6 +196,9 @@ def test_gpu_bench_dry_run_runs_every_command_on_the_cpu(tmp_path):
     vs = {r["config"]: r for r in json.loads((out / "vs_diffusers.json").read_text())["rows"]}
     assert set(vs) == {"theirs bf16", "ours eager"} and vs["ours eager"]["vs_theirs_bf16"] > 0
     assert "| ours eager | 2 |" in (out / "vs_diffusers.md").read_text()
+    sampling = {r["config"]: r for r in json.loads((out / "vs_sampling.json").read_text())["rows"]}
+    assert set(sampling) == {"theirs bf16", "ours eager", "ours graphed"}
+    assert sampling["ours graphed"]["share_differing"] < 0.05 and sampling["ours eager"]["vs_theirs_bf16"] > 0
 
 
 @pytest.mark.parametrize("flag", ["--rows", "--skip"])

@@ -141,3 +141,59 @@ def test_heun_samples_through_sample_py(run_dir, tmp_path):
     images = np.load(tmp_path / "heun.npz")["arr_0"]
     assert images.shape == (3, 16, 16, 3) and images.std() > 0 and out.stat().st_size > 0
     assert run == json.loads((tmp_path / "heun.json").read_text())
+
+
+def test_the_batch_fills_the_device_and_a_cpu_samples_eagerly(run_dir, tmp_path):
+    """--batch 0 (the default) is CPU_BATCH on a CPU, and --compile auto leaves the CPU's step eager."""
+    run = sample.main(["--ckpt", str(run_dir / "ema.pt"), "--n", "3", "--steps", "2", "--guidance", "1",
+                       "--out", str(tmp_path / "a.png")])
+    assert (run["batch"], run["compile"]) == (sample.CPU_BATCH, "false")
+
+
+def test_bf16_weights_give_the_bits_autocast_gives():
+    """The sampling network stores the conv and dense weights in bf16 where autocast would cast them at every
+    call: the outputs are the same bits as autocast over the fp32 weights."""
+    import argparse
+
+    import torch
+
+    from conftest import tiny_model
+    from unet import UNet
+
+    torch.manual_seed(0)
+    mc = tiny_model(num_classes=4)
+    model = UNet(mc).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))  # off Ho's zero-initialised last layers
+    z, t, y = torch.randn(3, 3, 16, 16), torch.tensor([5, 50, 99]), torch.tensor([0, 3, 4])
+    with torch.no_grad():
+        want = ddpm.autocast_model(model, torch.device("cpu"), "bf16")(z, t, y)
+        args = argparse.Namespace(compile="false", guidance=1.0)
+        net, capture = sample.sampling_network(args, model, mc, torch.device("cpu"), "bf16")
+        got = net(z, t, y)
+    convs = [m for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
+    assert {m.weight.dtype for m in convs} == {torch.bfloat16} == {model.time_mlp[0].weight.dtype}
+    assert model.norm_out.weight.dtype == model.class_emb.weight.dtype == torch.float32  # not cast by autocast
+    assert not capture.compiled and want.abs().mean() > 0.01
+    assert torch.equal(got, want)
+
+
+def test_a_compiled_step_draws_the_eager_images_to_bf16_rounding(run_dir, tmp_path):
+    """--compile captures each guided sampler step whole (one graph: a short last batch is padded to --batch,
+    not compiled again); the images match the eager ones to bf16's rounding, and the padding is not counted."""
+    import torch
+
+    runs, graphs = {}, torch._dynamo.utils.counters["stats"]
+    for mode in ("false", "default"):
+        before = graphs["unique_graphs"]
+        runs[mode] = sample.main(["--ckpt", str(run_dir / "ema.pt"), "--n", "6", "--batch", "4", "--sampler", "ddim",
+                                  "--steps", "4", "--guidance", "2", "--compile", mode,
+                                  "--out", str(tmp_path / f"{mode}.png")])
+        runs[mode]["graphs"] = graphs["unique_graphs"] - before
+    assert (runs["false"]["graphs"], runs["default"]["graphs"]) == (0, 1)
+    assert runs["default"]["compile"] == "default" and runs["false"]["compile"] == "false"
+    assert runs["default"]["nfe_per_image"] == runs["false"]["nfe_per_image"] == 8
+    eager, compiled = (np.load(tmp_path / f"{mode}.npz")["arr_0"].astype(int) for mode in ("false", "default"))
+    diff = np.abs(eager - compiled)
+    assert diff.max() <= 2 and (diff > 0).mean() < 0.02 and eager.std() > 10
