@@ -1,7 +1,7 @@
 """Sampling speed on the CPU, side by side: our sampler against diffusers' pipelines, on the very same network
 and weights.
 
-    .venv/bin/python scripts/cpu_vs_diffusers_sampling.py --json sampling.json        # ~5 min on 2 cores
+    .venv/bin/python scripts/cpu_vs_diffusers_sampling.py --json sampling.json        # ~6 min on 2 cores
     .venv/bin/python scripts/cpu_vs_diffusers_sampling.py --batch 16 --steps 10 --timed 5
 
 The network: Ho et al.'s CIFAR-10 UNet (35.7M parameters; `ho`), random weights drawn once (Ho's

@@ -114,11 +114,14 @@ def build_rows(args, batches, ours, theirs, device):
 
 
 def run_rows(rows, warmup, timed):
-    """Warm-up steps per row, then `timed` interleaved rounds (ABCD ABCD ...). -> whether it was cut short."""
+    """Warm-up steps per row (what the last one returns, if anything, kept as row['_images']), then `timed`
+    interleaved rounds (ABCD ABCD ...). -> whether it was cut short."""
     try:  # cut short (Ctrl-C, or gpu_bench.sh's cap), the table still has what was measured
         for row in rows:  # warm-up, compilation included
             for _ in range(warmup):
-                row["_run"]()
+                out = row["_run"]()
+                if out is not None:
+                    row["_images"] = out
             print(f"warmed up: {row['config']} b{row['batch']}", flush=True)
         for _ in range(timed):  # interleaved: ABCD ABCD ...
             for row in rows:

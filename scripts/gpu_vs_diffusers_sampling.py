@@ -29,7 +29,7 @@ import cpu_timing  # puts the repository root on sys.path
 import errors
 from cpu_vs_diffusers import parse_list
 from cpu_vs_diffusers_sampling import build_ours, build_theirs, networks
-from gpu_vs_diffusers import environment, open_device, peak_flops, save
+from gpu_vs_diffusers import environment, open_device, peak_flops, run_rows, save
 
 import numpy as np
 import torch
@@ -85,25 +85,6 @@ def build_rows(args, device):
     for row in rows:
         row["_timer"] = mfu.StepTimer(device)
     return rows, mfu.forward_flops_per_image(mc) * args.steps
-
-
-def run_rows(rows, warmup, timed):
-    """Warm-up steps per row (the last one's images kept, for the comparison), then `timed` interleaved
-    rounds. -> whether it was cut short (Ctrl-C, or gpu_bench.sh's cap): the table has what was measured."""
-    try:
-        for row in rows:
-            for _ in range(warmup):
-                row["_images"] = row["_run"]()
-            print(f"warmed up: {row['config']} b{row['batch']}", flush=True)
-        for _ in range(timed):
-            for row in rows:
-                row["_timer"].start()
-                row["_run"]()
-                row["_timer"].stop()
-    except KeyboardInterrupt:
-        print("\ninterrupted: the configurations with timed steps so far follow")
-        return True
-    return False
 
 
 def same_images(rows):
