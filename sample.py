@@ -159,7 +159,7 @@ def parse_args(argv):
     p.add_argument("--compile", choices=["auto", "false", *COMPILE_MODES], default="auto",
                    help="capture each sampler step whole (network, guidance, thresholding) with "
                         "torch.compile in this mode (reduce-overhead: as CUDA graphs); auto = "
-                        "reduce-overhead on a GPU, false on a CPU (there it compiles for a minute or more to "
+                        "reduce-overhead on a GPU, false on a CPU (there it compiled for 30-70 s to "
                         "run 2-5%% faster, BENCHMARKS.md)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
@@ -395,7 +395,7 @@ def device_batch(args, model, mc, device, world):
     with torch.no_grad():
         ddpm.autocast_model(model, device, runs.resolve_precision("auto", device))(
             z, torch.zeros(len(z), dtype=torch.long, device=device), y)
-    per_image = (torch.cuda.max_memory_allocated(device) - before) / probe
+    per_image = max(1, torch.cuda.max_memory_allocated(device) - before) / probe
     fits = max(1, int(torch.cuda.get_device_properties(device).total_memory / 2 / per_image))
     mine = torch.zeros(world, dtype=torch.float64)
     mine[torch.distributed.get_rank() if world > 1 else 0] = min(2 ** int(math.log2(fits)), args.n)
