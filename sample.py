@@ -85,6 +85,8 @@ from errors import RUN_STOPPED, UserError, first_line
 
 GRID = 256  # images in the grid PNG
 CPU_BATCH = 32  # --batch 0 on a CPU: 16-64 ran alike per image, 128 slower (BENCHMARKS.md)
+GPU_MAX_BATCH = 1024  # --batch 0 on a GPU at most: shards (about SHARD_IMAGES) stay spread over the ranks
+EVAL_BATCH = 256  # images per Inception or bits/dim call at most: not what --batch 0 probes
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")  # torch.compile's
 SHARD_IMAGES = 1000  # the default shard: about this many images, a whole number of batches
 # how image i's noise and label are made: recorded in every shard and result; a change of it changes images
@@ -115,9 +117,10 @@ def command(args, rank, world, device):
     if args.export_diffusers:
         return export_diffusers(args, model, mc)
     diffusion = ddpm.Diffusion(mc).to(device)
-    args.batch = args.batch or device_batch(args, model, mc, device, world)
     if args.eval == "bpd":
+        args.batch = args.batch or EVAL_BATCH
         return evaluate_bpd(args, model, mc, run, diffusion, device)
+    args.batch = args.batch or device_batch(args, model, mc, device, world)
     # the Inception weights and the reference statistics first: fail before sampling
     reference = fid_reference(args, mc, run, device) if args.eval == "fid" else None
     plan = plan_shards(args, mc, checkpoints_of(args, model), rank, world)
@@ -154,8 +157,8 @@ def parse_args(argv):
     p.add_argument("--label", type=int, default=-1, help="class to sample; -1 = cycle through all classes")
     p.add_argument("--batch", type=int, default=0,
                    help="images per network call; 0 = fill the device: on a CPU %d (the fastest per image "
-                        "measured), on a GPU the largest power of two whose forward pass fits in half its "
-                        "memory (probed)" % CPU_BATCH)
+                        "measured), on a GPU the largest power of two up to %d whose forward pass fits in "
+                        "half its memory (probed); bpd: %d" % (CPU_BATCH, GPU_MAX_BATCH, EVAL_BATCH))
     p.add_argument("--compile", choices=["auto", "false", *COMPILE_MODES], default="auto",
                    help="capture each sampler step whole (network, guidance, thresholding) with "
                         "torch.compile in this mode (reduce-overhead: as CUDA graphs); auto = "
@@ -362,11 +365,11 @@ def image_labels(args, mc, start, end):
 
 def draw_batches(args, net, capture, mc, diffusion, device, start, end):
     """Yields images start..end-1 as uint8 (B, H, W, C) numpy batches of --batch, with their labels. A
-    compiled step sees --batch images only: a short last batch is filled with copies of its last image."""
+    compiled step sees capture.width images only: a short batch is filled with copies of its last image."""
     labels = image_labels(args, mc, start, end)
     for a in range(start, end, args.batch):
         b = min(end, a + args.batch)
-        capture.padding = a + args.batch - b if capture.compiled else 0
+        capture.padding = capture.width - (b - a) if capture.compiled else 0
         rows = [*range(a, b), *[b - 1] * capture.padding]
         y = labels[torch.tensor(rows) - start].to(device) if labels is not None else None
         x = diffusion.sample(net, (len(rows), mc.channels, mc.image_size, mc.image_size),
@@ -382,8 +385,9 @@ def draw_batches(args, net, capture, mc, diffusion, device, start, end):
 
 
 def device_batch(args, model, mc, device, world):
-    """--batch 0: CPU_BATCH on a CPU; on a GPU the largest power of two (at most --n) whose forward pass, as
-    measured on 8 images, takes at most half the device's memory; the smallest over the ranks."""
+    """--batch 0: CPU_BATCH on a CPU; on a GPU the largest power of two (at most GPU_MAX_BATCH and --n) whose
+    forward pass, as measured on 8 images, takes at most half the device's memory; the smallest over the
+    ranks."""
     if device.type != "cuda":
         return CPU_BATCH
     probe, passes = 8, 2 if mc.num_classes and args.guidance != 1 else 1
@@ -398,9 +402,12 @@ def device_batch(args, model, mc, device, world):
     per_image = max(1, torch.cuda.max_memory_allocated(device) - before) / probe
     fits = max(1, int(torch.cuda.get_device_properties(device).total_memory / 2 / per_image))
     mine = torch.zeros(world, dtype=torch.float64)
-    mine[torch.distributed.get_rank() if world > 1 else 0] = min(2 ** int(math.log2(fits)), args.n)
+    rank = torch.distributed.get_rank() if world > 1 else 0
+    mine[rank] = min(2 ** int(math.log2(fits)), GPU_MAX_BATCH, args.n)
     batch = int(evaluate.all_reduce_sum(mine)[0].min())
-    print(f"--batch {batch}: fills half the GPU's memory ({per_image / 2**20:.1f} MiB an image)", flush=True)
+    if rank == 0:
+        print(f"--batch {batch}: at most half the GPU's memory ({per_image / 2**20:.1f} MiB an image, probed "
+              f"with fp32 weights under autocast), at most {GPU_MAX_BATCH}", flush=True)
     return batch
 
 
@@ -413,6 +420,7 @@ class Capture:
     passes: int
     graphs: bool
     evaluated: int = 0
+    width: int = 0    # the one batch size a compiled step sees (draw_shards: --batch, or a shorter shard)
     padding: int = 0
 
     @property
@@ -635,6 +643,7 @@ def draw_shards(args, plan, model, mc, diffusion, device):
     missing = sum(plan.ranges[k][1] - plan.ranges[k][0] for k in plan.missing)
     mine = sum(plan.ranges[k][1] - plan.ranges[k][0] for k in plan.mine(plan.missing))
     net, capture = sampling_network(args, model, mc, device, precision)
+    capture.width = min(args.batch, plan.settings["shard_size"])
     if capture.compiled and mine and plan.rank == 0:
         print(f"compiling the sampler step (torch.compile, {capture.mode})", flush=True)
     made = {"batch": args.batch, "device": device.type, "autocast": precision, "torch": torch.__version__,
@@ -715,7 +724,7 @@ def export_shards(args, plan, extractor, device):
             write_pngs(args.png_dir, images, plan.ranges[k][0], args.n)
         if extractor is not None:
             x = torch.from_numpy(images).permute(0, 3, 1, 2).contiguous()
-            feats, logits = evaluate.features(extractor, x.split(args.batch), device,
+            feats, logits = evaluate.features(extractor, x.split(min(args.batch, EVAL_BATCH)), device,
                                               desc=f"Inception features, shard {k}", total=len(x))
             if plan.world == 1:
                 local[k] = feats, logits
