@@ -32,8 +32,8 @@ type it is bitwise the same.
 
 Speed: --batch 0 (the default) fills the device; the conv and dense weights are stored in bf16 where autocast
 would cast them at every call (the same bits); --compile captures each sampler step whole (network,
-guidance, thresholding) with torch.compile, on a GPU as CUDA graphs (auto: there only), a short last batch
-padded so that one graph serves every batch.
+guidance, thresholding; a split model's breaks at its expert switch) with torch.compile, on a GPU as CUDA
+graphs (auto: there only), a short batch padded so that one graph serves every batch.
 
 Shards: the images are drawn in shards of --shard_size consecutive indices, each written, as soon as it is
 done, to <out>.shards/shard-NNNNNN.npz (fresh file, renamed into place) with the settings that made it;
