@@ -9,7 +9,7 @@
 
 Rows, each adding one change to the row above (a skipped or failed row adds nothing):
   baseline (fp32, batch 128, eager, math attention, NCHW, a typical torch DataLoader) -> scale up batch
-  -> torch.compile -> PyTorch SDPA -> bf16 autocast -> channels_last -> FFCV loading
+  -> PyTorch SDPA -> bf16 autocast -> channels_last -> torch.compile -> FFCV loading
   -> device-resident data (the whole dataset on the device, against FFCV) -> compile max-autotune
   (--autotune) -> CUDA graphs (compile mode reduce-overhead) -> patch_size Q (--patch_size, 2; the preset's
   attention resolutions r become r * P / Q, benchmark.repatched).
@@ -181,10 +181,12 @@ LADDER = [
                       channels_last=False, loader="dataloader", batch="base", accum_steps=1,
                       checkpointing=False)),
     ("scale up batch", dict(batch="max")),
-    ("torch.compile", dict(compile=True)),
     ("PyTorch SDPA", dict(attention="sdpa", batch="max")),
     ("bf16 autocast", dict(precision="bf16", batch="max")),
     ("channels_last", dict(channels_last=True)),
+    # after the eager changes: every compiled row compiles anew, so the first one compiles the settings
+    # the later rows build on, and the eager rows cost no compilation
+    ("torch.compile", dict(compile=True)),
     ("FFCV loading", dict(loader="ffcv")),
     ("device-resident data", dict(loader="resident")),  # the whole dataset on the device, against FFCV above
     ("compile max-autotune", dict(compile_mode="max-autotune")),
@@ -231,29 +233,34 @@ def build(mc, row, batch, device, images, labels, beton):
     return tc, built, row_loader(mc, row, batch, device, images, labels, beton)
 
 
-def time_steps(mc, row, batch, device, images, labels, beton, warmup, iters):
-    """Median ms of one training iteration (data + train_step + EMA) and the peak memory in GB."""
+def time_steps(mc, row, batch, device, images, labels, beton, warmup, iters, profile=False):
+    """Median ms of one training iteration (data + train_step + EMA), the peak memory in GB, and with
+    `profile` where the time of three more iterations goes (mfu.kernel_profile; else None)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     tc, b, loader = build(mc, row, batch, device, images, labels, beton)
     timer = mfu.StepTimer(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+
+    def step():
+        x0, y = loader.next()
+        _, _, ok = ddpm.train_step(b.forward, b.diffusion, b.opt, x0, y, b.precision, tc.grad_clip,
+                                   channels_last=b.channels_last, accum_steps=tc.grad_accum_steps,
+                                   scaler=b.scaler)  # the scaler: fp16 only
+        ddpm.ema_update(b.ema, b.model, tc.ema_decay, ok)  # as train() calls it
+
     # the SDPA rows may use the fused kernels only (flash, or memory-efficient), never SDPA's math fallback
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
         for i in range(warmup + iters):
             if i >= warmup:
                 timer.start()
-            x0, y = loader.next()
-            _, _, ok = ddpm.train_step(b.forward, b.diffusion, b.opt, x0, y, b.precision, tc.grad_clip,
-                                       channels_last=b.channels_last, accum_steps=tc.grad_accum_steps,
-                                       scaler=b.scaler)  # the scaler: fp16 only
-            ddpm.ema_update(b.ema, b.model, tc.ema_decay, ok)  # as train() calls it
+            step()
             if i >= warmup:
                 timer.stop()
-    ms = statistics.median(timer.read_ms())  # note: a sync point
-    mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-    return ms, mem
+        ms = statistics.median(timer.read_ms())  # note: a sync point
+        mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+        return ms, mem, mfu.kernel_profile(step, device) if profile else None
 
 
 def free_memory(device):
@@ -317,16 +324,18 @@ def row_names(args):
     patched rows are named with --patch_size; an unknown name in --rows or --skip is refused."""
     names = [name.replace("patch_size P", f"patch_size {args.patch_size}") for name, _ in LADDER]
     skip, only = ({s.strip() for s in spec.split(",") if s.strip()} for spec in (args.skip, args.rows))
-    if (skip | only) - set(names):
-        raise errors.UserError(f"no ladder row is called {', '.join(sorted((skip | only) - set(names)))}; "
+    unknown = (skip | only | ({args.start} if args.start else set())) - set(names)
+    if unknown:
+        raise errors.UserError(f"no ladder row is called {', '.join(sorted(unknown))}; "
                                f"the rows: {', '.join(names)}")
     return skip | (set(names) - only if only else set()), only
 
 
-def skip_reason(lad, name, change, trial):
+def skip_reason(lad, name, change, trial, given=False):
     """Why the row `name` (its `change`; `trial`, the settings it would run with) is not run here, or
-    None."""
-    if name in lad.skip:
+    None. given: the row is above --start, its settings to be taken without running it (--rows and --skip
+    do not apply)."""
+    if name in lad.skip and not given:
         return "not in --rows" if lad.only and name not in lad.only else "skipped by --skip"
     if trial["loader"] == "ffcv" and not data.ffcv_available():
         return "ffcv is not installed"
@@ -414,8 +423,8 @@ def run_row(lad, name, change):
         try:
             batch = row_batch(lad, change, trial, mc_row)
             beton = row_beton(lad, trial, batch)
-            ms, mem = time_steps(mc_row, trial, batch, lad.device, lad.images, lad.labels, beton, lad.warmup,
-                                 lad.iters)
+            ms, mem, prof = time_steps(mc_row, trial, batch, lad.device, lad.images, lad.labels, beton,
+                                       lad.warmup, lad.iters, lad.args.profile)
         # e.g. a compile mode this torch cannot do here
         except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
             reason = f"failed: {type(e).__name__}: {errors.first_line(e)[:200]}"
@@ -432,17 +441,37 @@ def run_row(lad, name, change):
     lad.rows.append(row)
     print(f"{name}: batch {batch}, {ms:.1f} ms/step, {row['img_per_s']:.1f} img/s, "
           f"{row['tflops']:.3f} TFLOP/s", flush=True)
+    if prof:
+        row["profile"] = prof
+        print(f"  {mfu.profile_line(prof)}", flush=True)
     save_ladder(lad)  # after every row, so a run cut short by a time limit keeps what it measured
+
+
+def take_as_given(lad, name, change):
+    """A row above --start: not run, but its settings carried on as a measured row's would be (not those
+    of a row that varies alone, nor one this device cannot run)."""
+    trial = {**lad.cfg, **{k: v for k, v in change.items() if k != "alone"}}
+    reason = "varies its row alone" if change.get("alone") else skip_reason(lad, name, change, trial, True)
+    if not reason:
+        lad.cfg = trial
+        if change.get("batch") == "max" and lad.args.batch:
+            lad.scaled_batch = lad.args.batch  # not searched: no scaled_by, no "largest batch" line
+    given = reason or "its settings taken as given"
+    lad.rows.append({"version": name, "skipped": f"above --start ({given})"})
 
 
 def run_rows(lad):
     """Every row of LADDER in turn, into lad.rows. -> whether it was cut short (Ctrl-C, or `timeout -s INT`):
     the rows measured before it stay."""
-    name = None
+    name, started = None, not lad.args.start
     try:
         for name, change in LADDER:
             name = name.replace("patch_size P", f"patch_size {lad.args.patch_size}")
-            run_row(lad, name, change)
+            started = started or name == lad.args.start
+            if started:
+                run_row(lad, name, change)
+            else:
+                take_as_given(lad, name, change)
     except KeyboardInterrupt:
         print(f"\ninterrupted in the row {name!r}: the table has the rows before it")
         return True
@@ -655,6 +684,12 @@ def parser():
     p.add_argument("--max_batch", type=int, default=16384, help="upper limit of the batch search")
     p.add_argument("--skip", default="", help="comma-separated row names to skip, e.g. 'torch.compile'")
     p.add_argument("--rows", default="", help="comma-separated row names to run, the rest skipped; '' = all")
+    p.add_argument("--start", default="",
+                   help="the row to start at: the rows above it are not run, their settings taken as given "
+                        "(the batch is --batch, or the baseline's until a row searches)")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile 3 more iterations of each measured row: the share of its time in "
+                        "matmuls and convolutions, attention, fused kernels, the optimizer, ...")
     p.add_argument("--patch_size", type=int, default=2,
                    help="P of the last row, compared with P = 1 at the same width and batch")
     p.add_argument("--cpu_compile", action="store_true", help="also run the torch.compile row on the CPU")

@@ -160,6 +160,60 @@ class StepTimer:
         return out
 
 
+# What a kernel (GPU) or an op (CPU) does, from its name: the first category with a matching fragment
+PROFILE_CATEGORIES = [
+    ("attention", ("flash", "fmha", "attention", "sdpa")),
+    ("optimizer and EMA", ("adam", "foreach", "multi_tensor", "lerp")),
+    ("fused by inductor", ("triton",)),
+    ("matmul and conv", ("gemm", "conv", "cutlass", "cudnn", "nvjet", "sm90_", "sm80_", "xmma", "wgrad",
+                         "dgrad", "implicit", "winograd", "aten::mm", "aten::bmm", "aten::addmm")),
+    ("normalisation", ("group_norm", "groupnorm", "layer_norm", "welford")),
+    ("copies and layout", ("memcpy", "memset", "copy", "nchwtonhwc", "nhwctonchw", "transpose")),
+]
+
+
+def kernel_profile(step, device, steps=3, top=8):
+    """Where `step()`'s time goes: `steps` calls under torch.profiler. On a GPU the kernels' device time, on
+    a CPU the ops' own CPU time, grouped by PROFILE_CATEGORIES (the rest: 'elementwise and other').
+    -> {"ms_per_step", "shares": {category: share}, "top": [[name, ms per step, share], ...]}, or
+    {"error": why} where the profiler fails (the steps' timings stand without it)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.device(device).type == "cuda"
+    try:
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+            for _ in range(steps):
+                step()
+            if cuda:
+                torch.cuda.synchronize()
+        if cuda:  # the kernels themselves: events that ran on the device
+            times = [(e.key, e.self_device_time_total) for e in prof.key_averages()
+                     if e.device_type == DeviceType.CUDA]
+        else:
+            times = [(e.key, e.self_cpu_time_total) for e in prof.key_averages()]
+    except (RuntimeError, AssertionError, AttributeError) as e:
+        return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
+    times = sorted(((name, us) for name, us in times if us > 0), key=lambda kv: -kv[1])
+    total = sum(us for _, us in times) or 1.0
+    shares = {}
+    for name, us in times:
+        low = name.lower()
+        cat = next((c for c, frags in PROFILE_CATEGORIES if any(f in low for f in frags)),
+                   "elementwise and other")
+        shares[cat] = shares.get(cat, 0.0) + us / total
+    return {"ms_per_step": total / 1e3 / steps,
+            "shares": dict(sorted(shares.items(), key=lambda kv: -kv[1])),
+            "top": [[name[:120], us / 1e3 / steps, us / total] for name, us in times[:top]]}
+
+
+def profile_line(prof):
+    """One line of a kernel_profile: its time per step and each category's share."""
+    if "error" in prof:
+        return f"profile failed: {prof['error']}"
+    return f"{prof['ms_per_step']:.1f} ms/step profiled: " + ", ".join(
+        f"{cat} {100 * share:.0f}%" for cat, share in prof["shares"].items())
+
 
 def keep_freed_memory():
     """On a CPU with glibc: keep freed memory in the process (mmap threshold 32 MiB, glibc's largest; trim

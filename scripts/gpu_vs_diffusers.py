@@ -42,6 +42,8 @@ def parse_args(argv):
     p.add_argument("--warmup", type=int, default=5, help="untimed steps per configuration (compiling too)")
     p.add_argument("--timed", type=int, default=20, help="timed, interleaved rounds")
     p.add_argument("--json", help="write every measurement to this file")
+    p.add_argument("--profile", action="store_true",
+                   help="then profile two more steps of each row: its GPU time's share per kind of kernel")
     args = p.parse_args(argv)
     batches = parse_list(args.batch, int, "--batch")
     ours = parse_list(args.ours, str, "--ours", OUR_MODES)
@@ -134,6 +136,21 @@ def run_rows(rows, warmup, timed):
     return False
 
 
+def profile_rows(rows, device):
+    """--profile: two more steps of each row under torch.profiler (mfu.kernel_profile), as row['profile'];
+    one line each. -> whether it was cut short."""
+    import mfu
+
+    try:
+        for row in rows:
+            row["profile"] = mfu.kernel_profile(row["_run"], device, steps=2)
+            print(f"profile {row['config']} b{row['batch']}: {mfu.profile_line(row['profile'])}", flush=True)
+    except KeyboardInterrupt:
+        print("\ninterrupted while profiling: the rows profiled so far keep their profile")
+        return True
+    return False
+
+
 def summarize(rows, flops, peak, theirs):
     """-> the rows with timed steps, each with its median step, img/s, TFLOP/s, MFU and ratios to theirs."""
     for row in rows:
@@ -193,6 +210,8 @@ def main(argv=None):
         peak = peak_flops(device)
         rows = build_rows(args, batches, ours, theirs, device)
         interrupted = run_rows(rows, args.warmup, args.timed)
+        if args.profile and not interrupted:
+            interrupted = profile_rows(rows, device)
         rows = summarize(rows, flops, peak, theirs)
         report(args, rows, flops, peak, device.type == "cuda", theirs)
         save(args, env, interrupted, peak, rows)

@@ -29,7 +29,7 @@ import cpu_timing  # puts the repository root on sys.path
 import errors
 from cpu_vs_diffusers import parse_list
 from cpu_vs_diffusers_sampling import build_ours, build_theirs, networks
-from gpu_vs_diffusers import environment, open_device, peak_flops, run_rows, save
+from gpu_vs_diffusers import environment, open_device, peak_flops, profile_rows, run_rows, save
 
 import numpy as np
 import torch
@@ -51,6 +51,8 @@ def parse_args(argv):
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per row (compiling too)")
     p.add_argument("--timed", type=int, default=10, help="timed, interleaved rounds")
     p.add_argument("--json", help="write every measurement to this file")
+    p.add_argument("--profile", action="store_true",
+                   help="then profile two more batches of each row: its GPU time's share per kind of kernel")
     args = p.parse_args(argv)
     args.batches = parse_list(args.batch, int, "--batch")
     args.ours = parse_list(args.ours, str, "--ours", OURS)
@@ -150,6 +152,8 @@ def main(argv=None):
         peak = peak_flops(device)
         rows, flops = build_rows(args, device)
         interrupted = run_rows(rows, args.warmup, args.timed)
+        if args.profile and not interrupted:
+            interrupted = profile_rows(rows, device)
         rows = summarize(rows, flops, peak)
         report(args, rows, flops, peak)
         args.dropout = 0.0  # save() records it: sampling runs without dropout

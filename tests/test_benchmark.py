@@ -81,8 +81,8 @@ def test_fp16_rows_step_through_the_loss_scaler(monkeypatch):
     mc = tiny_model()
     row = dict(benchmark.LADDER[0][1], precision="fp16", attention="sdpa", loader="resident")
     images, labels, _ = data.shapes(64, mc.image_size)
-    ms, mem = benchmark.time_steps(mc, row, 4, torch.device("cpu"), images, labels, None, warmup=1, iters=2)
-    assert ms > 0 and mem is None
+    ms, mem, prof = benchmark.time_steps(mc, row, 4, torch.device("cpu"), images, labels, None, warmup=1, iters=2)
+    assert ms > 0 and mem is None and prof is None
     scalers = [b.scaler for b in built]
     assert len(scalers) == 1 and scalers[0].get_scale() == 2.0**16  # no overflow in 3 steps: scale unchanged
     assert scalers[0]._get_growth_tracker() == 3
@@ -119,7 +119,7 @@ def test_batch_search_doubles_until_the_first_out_of_memory(monkeypatch):
         tried.append((batch, row["compile"], row["loader"]))
         if batch > 512:
             raise torch.cuda.OutOfMemoryError("out of memory")
-        return 1.0, None
+        return 1.0, None, None
 
     monkeypatch.setattr(benchmark, "time_steps", fake_time_steps)
     row = {"compile": True, "loader": "ffcv", "precision": "bf16", "attention": "sdpa"}
@@ -139,7 +139,7 @@ def test_a_ladder_cut_short_keeps_and_prints_its_rows(tmp_path, monkeypatch, cap
         calls.append(batch)
         if len(calls) == 3:
             raise KeyboardInterrupt
-        return 100.0 / len(calls), None
+        return 100.0 / len(calls), None, None
 
     monkeypatch.setattr(benchmark, "time_steps", fake_time_steps)
     out = tmp_path / "cut.json"
@@ -190,8 +190,10 @@ def test_gpu_bench_dry_run_runs_every_command_on_the_cpu(tmp_path):
     seed = json.loads((out / "seed.json").read_text())["rows"]
     assert {r["version"] for r in seed if "skipped" not in r} >= {"baseline", "grad accumulation x4",
                                                                   "activation checkpointing", "patch_size 2"}
-    assert [r["version"] for r in json.loads((out / "patch.json").read_text())["rows"] if "skipped" not in r] == [
-        "baseline", "patch_size 1"]
+    patch = json.loads((out / "patch.json").read_text())["rows"]
+    assert [r["version"] for r in patch if "skipped" not in r] == ["PyTorch SDPA", "patch_size 1"]  # from --start
+    assert patch[0]["skipped"] == "above --start (its settings taken as given)"
+    assert all(r["profile"]["shares"] for r in seed + patch if "skipped" not in r)  # --profile
     assert [r["patch_size"] for r in json.loads((out / "sample.json").read_text())["rows"]] == [1, 2]
     vs = {r["config"]: r for r in json.loads((out / "vs_diffusers.json").read_text())["rows"]}
     assert set(vs) == {"theirs bf16", "ours eager"} and vs["ours eager"]["vs_theirs_bf16"] > 0
@@ -210,7 +212,7 @@ def test_an_unknown_row_name_is_one_line(capsys, flag):
 
 
 def test_rows_without_the_baseline_start_from_it(monkeypatch, tmp_path):
-    monkeypatch.setattr(benchmark, "time_steps", lambda *a, **kw: (10.0, None))
+    monkeypatch.setattr(benchmark, "time_steps", lambda *a, **kw: (10.0, None, None))
     out = tmp_path / "rows.json"
     benchmark.main(["--preset", "demo", "--device", "cpu", "--rows", "PyTorch SDPA", "--json", str(out)])
     ran = [r for r in json.load(open(out))["rows"] if "skipped" not in r]
