@@ -63,7 +63,9 @@ def open_device(name):
     except errors.UserError as e:
         raise SystemExit(f"error: {e}") from None
     if device.type == "cuda":
-        torch.cuda.set_device(device)  # StepTimer's events and syncs use the current device
+        # StepTimer's events and syncs use the current device; 'cuda' alone names the current one (torch 2.11
+        # refuses a device without an index here)
+        torch.cuda.set_device(device.index if device.index is not None else torch.cuda.current_device())
     return device
 
 
