@@ -143,7 +143,8 @@ class TrainerConfig:  # the run
     compile_mode: Literal["default", "max-autotune", "reduce-overhead"] = "default"  # torch.compile mode;
                                                         # reduce-overhead = CUDA graphs
     channels_last: Literal["auto", "true", "false"] = "auto"  # NHWC activations and weights; auto = true,
-                                                        # except bf16 on a CPU (NCHW is faster there)
+                                                        # except bf16 on a CPU and an eager bf16/fp16 step
+                                                        # on a GPU (NCHW is faster there)
     cpu_threads: int = ranged(0, 0)                     # CPU: intra-op threads for the step; 0 = torch's
                                                         # default (one per core)
     attention: Literal["sdpa", "math"] = "sdpa"         # attention kernel: F.scaled_dot_product_attention,
@@ -867,7 +868,8 @@ def build(mc, tc, device, world=1):
     """
     precision = runs.resolve_precision(tc.precision, device)
     runs.set_matmul_precision(precision)
-    channels_last = runs.resolve_channels_last(tc.channels_last, device, precision)
+    compiled = runs.resolve_compile(tc.compile, device)
+    channels_last = runs.resolve_channels_last(tc.channels_last, device, precision, compiled)
     model = UNet(mc, attention=tc.attention, activation_checkpointing=tc.activation_checkpointing)
     model = model.to(device, memory_format=runs.memory_format(channels_last))
     ema = copy.deepcopy(model).requires_grad_(False).eval()
@@ -881,7 +883,7 @@ def build(mc, tc, device, world=1):
         from torch.nn.parallel import DistributedDataParallel
 
         forward = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    if runs.resolve_compile(tc.compile, device):
+    if compiled:
         forward = torch.compile(forward, mode=None if tc.compile_mode == "default" else tc.compile_mode)
     return Built(model, ema, Diffusion(mc).to(device), opt, scaler, forward, precision, channels_last)
 

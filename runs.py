@@ -63,13 +63,17 @@ def set_matmul_precision(precision):
     torch.backends.cudnn.allow_tf32 = tf32
 
 
-def resolve_channels_last(channels_last, device, precision):
-    """'auto' -> NHWC, the layout tensor-core and oneDNN fp32 convolutions want, except for bf16 on a CPU:
-    there the convolutions run as fast in NCHW and ATen's NHWC GroupNorm is far slower than its NCHW one,
-    so the step is faster in NCHW (BENCHMARKS.md)."""
+def resolve_channels_last(channels_last, device, precision, compiled=True):
+    """'auto' -> NHWC, the layout tensor-core and oneDNN fp32 convolutions want, except where ATen's GroupNorm
+    runs the step: for bf16 on a CPU its NHWC kernel is far slower than its NCHW one (the convolutions run as
+    fast in NCHW there), and on a GPU an eager (not `compiled`) step in bf16 or fp16 copies NHWC activations
+    to NCHW around every GroupNorm (on an H200, 'ho' at batch 512 in bf16: 178 ms a step in NHWC against 140
+    in NCHW, 28% of its GPU time in those copies). Compiled, inductor fuses the GroupNorms (BENCHMARKS.md)."""
     if channels_last != "auto":
         return channels_last == "true"
-    return not (device.type == "cpu" and precision == "bf16")
+    if device.type == "cpu":
+        return precision != "bf16"
+    return compiled or precision not in ("bf16", "fp16")
 
 
 def memory_format(channels_last):
