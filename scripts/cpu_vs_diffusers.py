@@ -29,9 +29,9 @@ Configurations, all at 32x32, batches --batch, in one process, with torch.set_nu
                     (what accelerate wraps model.forward in), the loss outside it.
   ours eager        `python ddpm.py`'s defaults (compile auto: eager on a CPU): precision auto (bf16 autocast
                     on a CPU with AVX512-BF16/AMX, else fp32), channels_last auto (NCHW for bf16 on a CPU and
-                    for an eager bf16 step on a GPU, else NHWC), SDPA, the model, EMA and fused optimizer from ddpm.build, and per step what
-                    ddpm.train does: the LR into the param groups, ddpm.train_step,
-                    ddpm.ema_update(ema, model, ddpm.ema_decay_at(step), ok).
+                    for an eager bf16 step on a GPU, else NHWC), SDPA, the model, EMA and fused optimizer
+                    from ddpm.build, and per step what ddpm.train does: the LR into the param groups,
+                    ddpm.train_step, ddpm.ema_update(ema, model, ddpm.ema_decay_at(step), ok).
   ours compile      the same with torch.compile (ddpm.py's default; minutes to compile on a CPU, in the
                     warm-up).
   ours fp32         ours eager with --precision=fp32 (and so NHWC).
