@@ -143,8 +143,7 @@ class TrainerConfig:  # the run
     compile_mode: Literal["default", "max-autotune", "reduce-overhead"] = "default"  # torch.compile mode;
                                                         # reduce-overhead = CUDA graphs
     channels_last: Literal["auto", "true", "false"] = "auto"  # NHWC activations and weights; auto = true,
-                                                        # except bf16 on a CPU and an eager bf16/fp16 step
-                                                        # on a GPU (NCHW is faster there)
+                                                        # but NCHW for bf16 on a CPU, eager bf16/fp16 on GPUs
     cpu_threads: int = ranged(0, 0)                     # CPU: intra-op threads for the step; 0 = torch's
                                                         # default (one per core)
     attention: Literal["sdpa", "math"] = "sdpa"         # attention kernel: F.scaled_dot_product_attention,
@@ -886,7 +885,6 @@ def build(mc, tc, device, world=1):
     if compiled:
         forward = torch.compile(forward, mode=None if tc.compile_mode == "default" else tc.compile_mode)
     return Built(model, ema, Diffusion(mc).to(device), opt, scaler, forward, precision, channels_last)
-
 
 
 def train_step(model, diffusion, opt, x0, y, precision, grad_clip, shard=(0, 1), channels_last=False,
