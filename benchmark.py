@@ -19,7 +19,7 @@ and at the largest batch that fits, and the largest batch at patch size Q: again
 scaled-up rows, the paper's memory claim. Largest-batch rows search on a GPU only.
 
 Every row builds its run with `ddpm.build` (the row's settings as a TrainerConfig) and times the training
-step that ddpm.py runs (`train_step` + `ema_update`, data loading included), with CUDA events on a GPU
+step that ddpm.py runs (`ddpm.iteration`, data loading included), with CUDA events on a GPU
 (mfu.StepTimer): the median over `--iters` iterations after `--warmup` (compilation and warm-up stay off
 the clock). FLOPs are counted by torch.utils.flop_counter (mfu.train_flops_per_image, attention included);
 the torchinfo x 3 column is the reference repo's estimate, which misses the attention matmuls. MFU =
@@ -42,6 +42,7 @@ import argparse
 import dataclasses
 import datetime
 import gc
+import itertools
 import json
 import os
 import statistics
@@ -243,12 +244,11 @@ def time_steps(mc, row, batch, device, images, labels, beton, warmup, iters, pro
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
-    def step():
+    steps = itertools.count()
+
+    def step():  # exactly what train() runs: the step's LR, train_step, the EMA at its warm-up decay
         x0, y = loader.next()
-        _, _, ok = ddpm.train_step(b.forward, b.diffusion, b.opt, x0, y, b.precision, tc.grad_clip,
-                                   channels_last=b.channels_last, accum_steps=tc.grad_accum_steps,
-                                   scaler=b.scaler)  # the scaler: fp16 only
-        ddpm.ema_update(b.ema, b.model, tc.ema_decay, ok)  # as train() calls it
+        ddpm.iteration(b, x0, y, tc, next(steps))
 
     # the SDPA rows may use the fused kernels only (flash, or memory-efficient), never SDPA's math fallback
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):

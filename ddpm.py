@@ -268,7 +268,6 @@ def parse_value(name, text, typ):
         raise UserError(f"--{name}={text}: {e}") from None
 
 
-
 def validate(mc, tc=None):
     """Catch impossible values and combinations before anything is built: each field's choices and range
     (beside the field), then the relations between fields. tc None: the model alone (a loaded model folder,
@@ -527,8 +526,8 @@ class Diffusion(torch.nn.Module):
         return t, noise, u
 
     def loss(self, model, x0, y=None, shard=(0, 1), draws=None):
-        """L = mean_b w_t ‖target − model(z_t, t, y)‖² / D, t ~ U{0..T-1}, ε ~ N(0, I)
-        (Ho et al. Algorithm 1).
+        """-> (w_t ‖target − model(z_t, t, y)‖² / D for each sample, t): t ~ U{0..T-1}, ε ~ N(0, I) (Ho et
+        al. Algorithm 1); the caller takes the mean.
 
         Labels are replaced by the null class with probability p_uncond, so one network learns
         both p(x|y) and p(x) for classifier-free guidance (Ho & Salimans 2022).
@@ -536,8 +535,7 @@ class Diffusion(torch.nn.Module):
         global batch from the same seeded stream and keeps rows rank::world, the rows of its own images
         (data.shard), so a run does not depend on how many processes share it.
         draws: (t, ε, dropout uniforms) from self.draw for exactly these rows (micro-batches of one batch);
-        None draws them here. Afterwards self.last_t and self.last_losses hold the timesteps and the
-        per-sample losses (detached) for per-quartile logging.
+        None draws them here. The timesteps come back for per-quartile logging.
         """
         t, noise, u = draws if draws is not None else self.draw(x0, y is not None, shard)
         z = self.q_sample(x0, t, noise)
@@ -545,9 +543,7 @@ class Diffusion(torch.nn.Module):
             y = torch.where(u < self.cfg.p_uncond, torch.full_like(y, self.cfg.num_classes), y)
         out = model(z, t, y).float()
         mse = (out - self.target(x0, noise, t)).pow(2).flatten(1).mean(1)  # (B,)
-        losses = self.loss_weight[t].float() * mse
-        self.last_t, self.last_losses = t, losses.detach()
-        return losses.mean()
+        return self.loss_weight[t].float() * mse, t
 
     def q_posterior(self, x0, z, ab_t, ab_s):
         """Mean and variance of q(x_s | x_t, x_0) for s < t, from ᾱ_t and ᾱ_s (Ho et al. eq. 6-7).
@@ -723,7 +719,6 @@ def dynamic_threshold(x0, percentile=0.995):
     return torch.maximum(torch.minimum(x0, s), -s) / s
 
 
-
 # -----------------------------------------------------------------------------
 # The samplers. Each is one function of the same signature, registered in SAMPLERS by @sampler; the table
 # gives TrainerConfig.sampler and sample.py --sampler their choices and README.md its sampler table:
@@ -887,11 +882,19 @@ def build(mc, tc, device, world=1):
     return Built(model, ema, Diffusion(mc).to(device), opt, scaler, forward, precision, channels_last)
 
 
+class Step(typing.NamedTuple):  # what a training step leaves, on the device: read it without a sync
+    loss: torch.Tensor       # the batch's mean loss
+    grad_norm: torch.Tensor  # the gradients' norm before clipping
+    ok: torch.Tensor         # 1 where the update was applied, 0 where it was skipped
+    losses: torch.Tensor     # the per-sample losses, and their timesteps t (per-quartile logging)
+    t: torch.Tensor
+
+
 def train_step(model, diffusion, opt, x0, y, precision, grad_clip, shard=(0, 1), channels_last=False,
                accum_steps=1, scaler=None):
-    """Forward, backward, clip, AdamW step, all without a host sync. Returns (loss, grad norm, ok) as
-    device tensors. A non-finite loss or gradient (on any rank) skips the update: `ok` is then 0, and
-    the fused AdamW kernel leaves weights, moments and its step count untouched (its found_inf input).
+    """Forward, backward, clip, AdamW step, all without a host sync: -> Step. A non-finite loss or gradient
+    (on any rank) skips the update: `ok` is then 0, and the fused AdamW kernel leaves weights, moments and
+    its step count untouched (its found_inf input).
 
     accum_steps k: the rank's batch runs as k micro-batches, each loss scaled by 1/k, gradients summed, and
     under DDP all-reduced once, after the last (no_sync before it). The noise, timesteps and label dropout
@@ -899,31 +902,29 @@ def train_step(model, diffusion, opt, x0, y, precision, grad_clip, shard=(0, 1),
     scaler (fp16): the loss is scaled before backward and the gradients unscaled before clipping; an
     overflow shows as a non-finite gradient norm, so it is skipped by the same `ok` (one skip mechanism),
     and the scaler then lowers its scale."""
-    # a new iteration for CUDA graphs (compile_mode reduce-overhead)
-    torch.compiler.cudagraph_mark_step_begin()
+    torch.compiler.cudagraph_mark_step_begin()  # a new iteration for CUDA graphs (reduce-overhead)
     # a no-op where the loader's layout is the model's
     x0 = x0.contiguous(memory_format=runs.memory_format(channels_last))
     backward = (lambda loss: scaler.scale(loss).backward()) if scaler else (lambda loss: loss.backward())
     if accum_steps == 1:
         with autocast(x0.device, precision):
-            loss = diffusion.loss(model, x0, y, shard)
+            losses, t = diffusion.loss(model, x0, y, shard)
+            loss = losses.mean()
         backward(loss)
     else:
         draws, m = diffusion.draw(x0, y is not None, shard), len(x0) // accum_steps
-        parts, ts, losses = [], [], []
+        parts = []
         for i in range(accum_steps):
             rows = slice(i * m, (i + 1) * m)
             last = i == accum_steps - 1
             with contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync():
                 with autocast(x0.device, precision):
-                    part = diffusion.loss(model, x0[rows], y[rows] if y is not None else None, shard,
-                                          [d[rows] if d is not None else None for d in draws])
-                backward(part / accum_steps)
-            parts.append(part.detach())
-            ts.append(diffusion.last_t)
-            losses.append(diffusion.last_losses)
-        loss = torch.stack(parts).mean()
-        diffusion.last_t, diffusion.last_losses = torch.cat(ts), torch.cat(losses)
+                    part, part_t = diffusion.loss(model, x0[rows], y[rows] if y is not None else None, shard,
+                                                  [d[rows] if d is not None else None for d in draws])
+                backward(part.mean() / accum_steps)
+            parts.append((part.detach().mean(), part.detach(), part_t))
+        means, per_sample, ts = zip(*parts)
+        loss, losses, t = torch.stack(means).mean(), torch.cat(per_sample), torch.cat(ts)
     if scaler:
         scaler.unscale_(opt)
     params = [p for g in opt.param_groups for p in g["params"]]
@@ -940,7 +941,7 @@ def train_step(model, diffusion, opt, x0, y, precision, grad_clip, shard=(0, 1),
     if scaler:
         scaler.update()  # from the overflow check unscale_ recorded: lower the scale, or grow it in time
     opt.zero_grad(set_to_none=True)
-    return loss.detach(), grad_norm, ok
+    return Step(loss.detach(), grad_norm, ok, losses.detach(), t)
 
 
 @torch.no_grad()
@@ -967,6 +968,16 @@ def lr_at(step, tc):
 def ema_decay_at(step, tc):
     return min(tc.ema_decay, (1 + step) / (10 + step)) if tc.ema_warmup else tc.ema_decay
 
+
+def iteration(b, x0, y, tc, step, shard=(0, 1)):
+    """One training iteration as train() runs it and every speed figure measures it: the learning rate of
+    `step`, train_step, then the EMA at the step's warm-up decay (unchanged where the step was skipped)."""
+    for g in b.opt.param_groups:
+        g["lr"] = lr_at(step, tc)
+    out = train_step(b.forward, b.diffusion, b.opt, x0, y, b.precision, tc.grad_clip, shard, b.channels_last,
+                     tc.grad_accum_steps, b.scaler)
+    ema_update(b.ema, b.model, ema_decay_at(step, tc) if tc.ema_decay > 0 else 0.0, out.ok)
+    return out
 
 
 def load_ema(path, device):
@@ -1093,13 +1104,14 @@ def record(run, mc, tc, preset):
           f"MFU against {run.peak / 1e12:.3g} TFLOP/s per device ({run.peak_source})")
 
 
-def log_interval(run, tc, step, lr, tally, grad_norm, step_times_ms, t_start):
+def log_interval(run, tc, step, tally, grad_norm, step_times_ms, t_start):
     """The metrics.jsonl row of the log interval ending at `step`, written by rank 0 (a host sync: the
     interval's only one); under DDP the loss sums are all-reduced, and every rank skipped the same steps.
     Stops the run once max_nonfinite_steps steps in a row were skipped."""
     t = tally.read(run.world)
     step_ms = statistics.median(step_times_ms or [float("nan")])
-    row = {"step": step, "loss": t["loss"], "lr": lr, **{f"loss_q{q}": t["loss_q"][q] for q in range(4)},
+    quartiles = {f"loss_q{q}": t["loss_q"][q] for q in range(4)}
+    row = {"step": step, "loss": t["loss"], "lr": lr_at(step - 1, tc), **quartiles,
            "grad_norm": grad_norm.item(), "nonfinite_skipped": t["skipped"], "step_ms": step_ms,
            "img_per_s": tc.batch_size / step_ms * 1e3, "tflops": run.flops_per_step / step_ms / 1e9,
            "mfu": mfu.mfu(run.flops_per_step, step_ms / 1e3, run.peak * run.world),
@@ -1140,8 +1152,8 @@ def due(every, step):
 
 
 def train(mc, tc, preset="custom"):
-    """Train from scratch or resume; returns the run folder. Fixed sections each step:
-    LR -> checkpoint/samples/eval -> forward/backward/step -> EMA -> timing/log -> stop requests.
+    """Train from scratch or resume; returns the run folder. Fixed sections each step: checkpoint/samples/eval
+    -> iteration (LR, forward/backward/step, EMA) -> log -> stop requests.
     Under torchrun every rank runs this; rank 0 alone writes the run folder."""
     from tqdm import tqdm
 
@@ -1156,9 +1168,8 @@ def train(mc, tc, preset="custom"):
     def save_checkpoint(step):  # rank 0 alone: the other ranks hold the same state
         if lead:
             runs.save_checkpoints(run.out_dir, step, b.model, b.ema, mc, tc, data=data_settings(mc, tc),
-                                  optimizer=b.opt.state_dict(),
+                                  optimizer=b.opt.state_dict(), loader=run.loader.state_dict(),
                                   scaler=b.scaler.state_dict() if b.scaler else None, world_size=run.world,
-                                  loader=run.loader.state_dict(),
                                   nonfinite_skipped=run.skipped + int(tally.skipped.item()))
 
     lock = runs.lock_run_folder(run.out_dir) if lead else None  # one run per folder: a second is refused
@@ -1176,12 +1187,7 @@ def train(mc, tc, preset="custom"):
         while True:
             last_step = step >= tc.max_steps
 
-            # 1. learning rate
-            lr = lr_at(step, tc)
-            for g in b.opt.param_groups:
-                g["lr"] = lr
-
-            # 2. checkpoint, sample grid, evaluation (off the clock; the checkpoint first, so that a failure
+            # 1. checkpoint, sample grid, evaluation (off the clock; the checkpoint first, so that a failure
             #    in sampling or evaluation never costs it)
             if step > start_step and (last_step or due(tc.ckpt_every_steps, step)):
                 save_checkpoint(step)
@@ -1196,28 +1202,22 @@ def train(mc, tc, preset="custom"):
             if last_step:
                 break
 
-            # 3. forward / backward / step (skipped if anything is non-finite)
+            # 2. the learning rate, forward / backward / AdamW (skipped if anything is non-finite), the EMA
             if step >= timing_warmup:
                 timer.start()
-            x0, y = run.loader.next()
-            loss, grad_norm, ok = train_step(b.forward, b.diffusion, b.opt, x0, y, b.precision, tc.grad_clip,
-                                             (run.rank, run.world), b.channels_last, tc.grad_accum_steps,
-                                             b.scaler)
-
-            # 4. EMA
-            ema_update(b.ema, b.model, ema_decay_at(step, tc) if tc.ema_decay > 0 else 0.0, ok)
+            out = iteration(b, *run.loader.next(), tc, step, (run.rank, run.world))  # the batch: x0, y
             if step >= timing_warmup:
                 timer.stop()
-            tally.add(loss, b.diffusion.last_losses, b.diffusion.last_t * 4 // mc.timesteps, ok)
+            tally.add(out.loss, out.losses, out.t * 4 // mc.timesteps, out.ok)
             step += 1
             pbar.update(1)
 
-            # 5. log: one metrics.jsonl row per log_every_steps, the interval's only GPU->CPU sync
+            # 3. log: one metrics.jsonl row per log_every_steps, the interval's only GPU->CPU sync
             if due(tc.log_every_steps, step) or step == tc.max_steps:
-                row = log_interval(run, tc, step, lr, tally, grad_norm, timer.read_ms(), t_start)
+                row = log_interval(run, tc, step, tally, out.grad_norm, timer.read_ms(), t_start)
                 pbar.set_postfix_str(runs.progress_text(row))
 
-            # 6. a stop request (SIGTERM, SIGINT) ends the run after this step, with a checkpoint
+            # 4. a stop request (SIGTERM, SIGINT) ends the run after this step, with a checkpoint
             if preempt.requested():
                 save_checkpoint(step)
                 say(f"stopped by {preempt.signal} after step {step}: checkpoint saved in {run.out_dir}; "

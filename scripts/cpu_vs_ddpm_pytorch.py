@@ -23,7 +23,7 @@ Configurations, all at 32x32 (CIFAR-10), in one process, with torch.set_num_thre
   theirs bf16+cl    the same under torch.autocast('cpu', bfloat16) (what Trainer(amp=True,
                     mixed_precision_type='bf16') does on a CPU); without AVX512-BF16/AMX, where bf16 is
                     emulated and slow, with fewer timed steps (--bf16_timed).
-  ours MODE:BATCH   ddpm.train_step + ddpm.ema_update on UNet(ModelConfig()) (Ho et al., 35.7M, dropout 0.1),
+  ours MODE:BATCH   ddpm.iteration (train()'s step) on UNet(ModelConfig()) (Ho et al., 35.7M, dropout 0.1),
                     SDPA, the model, EMA and fused optimizer of ddpm.build. MODE is eager (fp32, NCHW) or
                     any of cl (channels_last), bf16 (autocast, as --precision=bf16) and compile
                     (torch.compile(model)) joined by '+', e.g. bf16+cl.
@@ -53,6 +53,7 @@ configurations short of --timed uncontended steps run again (within --budget_s),
 the uncontended steps where there are two or more, else over all of them (flagged in the table).
 """
 import argparse
+import itertools
 import time
 
 import cpu_timing
@@ -112,7 +113,7 @@ def count_theirs():
 
 
 def build_ours(batch, channels_last, compile_model, precision, attention="sdpa"):
-    """-> step() of ddpm.train_step + ddpm.ema_update on the 'ho' network, with model, EMA, optimizer and
+    """-> step() of ddpm.iteration (train()'s step) on the 'ho' network, with model, EMA, optimizer and
     forward from ddpm.build (compile: torch.compile in the default mode), and the parameter count."""
     import ddpm
     import runs
@@ -126,10 +127,10 @@ def build_ours(batch, channels_last, compile_model, precision, attention="sdpa")
     x0 = torch.rand(batch, mc.channels, mc.image_size, mc.image_size) * 2 - 1
     x0 = x0.contiguous(memory_format=runs.memory_format(b.channels_last))
 
-    def step():  # ddpm.train's step 3 and 4
-        ddpm.train_step(b.forward, b.diffusion, b.opt, x0, None, b.precision, tc.grad_clip,
-                        channels_last=b.channels_last, scaler=b.scaler)
-        ddpm.ema_update(b.ema, b.model, tc.ema_decay)
+    steps = itertools.count()
+
+    def step():  # what ddpm.train runs per step
+        ddpm.iteration(b, x0, None, tc, next(steps))
 
     return step, sum(p.numel() for p in b.model.parameters())
 
@@ -145,7 +146,8 @@ def count_ours():
     mc = ddpm.ModelConfig()
     model, diffusion = UNet(mc, attention="math"), ddpm.Diffusion(mc)
     x = torch.rand(2, mc.channels, mc.image_size, mc.image_size) * 2 - 1
-    return count_flops(lambda: diffusion.loss(model, x).backward(), 2), mfu.train_flops_per_image(mc, "sdpa")
+    counted = count_flops(lambda: diffusion.loss(model, x)[0].mean().backward(), 2)
+    return counted, mfu.train_flops_per_image(mc, "sdpa")
 
 
 # ----------------------------------------------------------------------------- main

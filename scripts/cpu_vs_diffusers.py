@@ -30,8 +30,8 @@ Configurations, all at 32x32, batches --batch, in one process, with torch.set_nu
   ours eager        `python ddpm.py`'s defaults (compile auto: eager on a CPU): precision auto (bf16 autocast
                     on a CPU with AVX512-BF16/AMX, else fp32), channels_last auto (NCHW for bf16 on a CPU and
                     for an eager bf16 step on a GPU, else NHWC), SDPA, the model, EMA and fused optimizer
-                    from ddpm.build, and per step what ddpm.train does: the LR into the param groups,
-                    ddpm.train_step, ddpm.ema_update(ema, model, ddpm.ema_decay_at(step), ok).
+                    from ddpm.build, and per step what ddpm.train runs: ddpm.iteration (the LR into the
+                    param groups, ddpm.train_step, the EMA at its warm-up decay where the step was applied).
   ours compile      the same with torch.compile (ddpm.py's default; minutes to compile on a CPU, in the
                     warm-up).
   ours fp32         ours eager with --precision=fp32 (and so NHWC).
@@ -169,12 +169,7 @@ def build_ours(dropout, mode, device=CPU):
     def step(batch):
         if batch not in data:
             data[batch] = torch.rand(batch, mc.channels, mc.image_size, mc.image_size, device=device) * 2 - 1
-        s = next(steps)
-        for g in b.opt.param_groups:
-            g["lr"] = ddpm.lr_at(s, tc)
-        _, _, ok = ddpm.train_step(b.forward, b.diffusion, b.opt, data[batch], None, b.precision,
-                                   tc.grad_clip, channels_last=b.channels_last, scaler=b.scaler)
-        ddpm.ema_update(b.ema, b.model, ddpm.ema_decay_at(s, tc) if tc.ema_decay > 0 else 0.0, ok)
+        ddpm.iteration(b, data[batch], None, tc, next(steps))  # what ddpm.train runs per step
 
     return step, sum(p.numel() for p in b.model.parameters())
 

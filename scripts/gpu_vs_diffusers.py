@@ -5,8 +5,8 @@
 
 The two steps are scripts/cpu_vs_diffusers.py's, built on --device (its docstring has them in full): theirs
 is diffusers' train_unconditional.py step on UNet2DModel in google/ddpm-cifar10-32's configuration, in fp32
-and with bf16 autocast as accelerate runs it; ours is `python ddpm.py`'s defaults (ddpm.train_step and
-ddpm.ema_update), eager and torch.compile'd. Both are Ho et al.'s CIFAR-10 network, 35.7M parameters and
+and with bf16 autocast as accelerate runs it; ours is `python ddpm.py`'s defaults (ddpm.iteration, the
+step train() runs), eager and torch.compile'd. Both are Ho et al.'s CIFAR-10 network, 35.7M parameters and
 the same counted FLOPs. Issue 16's target: ours compiled at >= 1.5x the img/s of theirs in bf16, same batch.
 
 Timing: --warmup untimed steps per configuration (compilation included), then --timed rounds that

@@ -219,3 +219,18 @@ def test_rows_without_the_baseline_start_from_it(monkeypatch, tmp_path):
     assert len(ran) == 1 and ran[0]["version"] == "PyTorch SDPA"
     assert (ran[0]["attention"], ran[0]["precision"], ran[0]["loader"], ran[0]["accum_steps"]) == (
         "sdpa", "fp32", "dataloader", 1)
+
+
+def test_a_ladder_row_times_the_iteration_train_runs(monkeypatch):
+    """Each timed step is ddpm.iteration at the next step number: the LR schedule and the EMA's warm-up decay
+    as train() has them (the row's TrainerConfig), not a step of its own."""
+    import data
+
+    seen = []
+    real = ddpm.iteration
+    monkeypatch.setattr(ddpm, "iteration", lambda b, x0, y, tc, step, *a: seen.append(step) or real(b, x0, y, tc, step, *a))
+    mc = tiny_model()
+    images, labels, _ = data.shapes(64, mc.image_size)
+    row = dict(benchmark.LADDER[0][1], attention="sdpa", loader="resident")
+    benchmark.time_steps(mc, row, 4, torch.device("cpu"), images, labels, None, warmup=1, iters=2)
+    assert seen == [0, 1, 2]

@@ -88,9 +88,8 @@ def test_loss_weighting(weighting):
             return d.target(x0 + delta, noise_of(d, x0 + delta, z, t), t)
 
         torch.manual_seed(1)  # the same t and ε for every prediction type
-        d.loss(model, x0)
-        losses[prediction] = d.last_losses.double()
-    t = d.last_t
+        losses[prediction], t = d.loss(model, x0)
+        losses[prediction] = losses[prediction].double()
     snr = d.alpha_bar[t] / (1 - d.alpha_bar[t])
     if weighting == "none":  # L_simple: the plain MSE of each target
         torch.testing.assert_close(losses["x"], mse_x, rtol=1e-5, atol=0)
@@ -106,8 +105,8 @@ def test_loss_weighting(weighting):
 def test_perfect_model_has_zero_loss(prediction):
     d = Diffusion(ModelConfig(prediction=prediction, timesteps=100))
     x0 = torch.rand(16, 3, 4, 4, dtype=torch.float64)
-    loss = d.loss(lambda z, t, y: d.target(x0, noise_of(d, x0, z, t), t), x0)
-    assert loss.item() < 1e-10
+    losses, _ = d.loss(lambda z, t, y: d.target(x0, noise_of(d, x0, z, t), t), x0)
+    assert losses.shape == (16,) and losses.max().item() < 1e-10
 
 
 def test_timestep_sequence():
@@ -264,8 +263,7 @@ def test_split_experts_train_and_sample_only_their_timesteps():
     high = Diffusion(ModelConfig(split_timestep=300, split_part="high"))
     seen = {}
     for name, d in (("low", low), ("high", high)):
-        d.loss(lambda z, t, y: torch.zeros_like(z), torch.zeros(4096, 1, 1, 1))
-        seen[name] = d.last_t
+        _, seen[name] = d.loss(lambda z, t, y: torch.zeros_like(z), torch.zeros(4096, 1, 1, 1))
     assert seen["low"].max() == 299 and seen["low"].min() == 0
     assert seen["high"].min() == 300 and seen["high"].max() == 999
     # SNR threshold: S is the first t with SNR(t) < 0.25

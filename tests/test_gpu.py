@@ -71,11 +71,11 @@ def test_the_training_step_never_syncs_with_the_host(loader_cls):
             torch.cuda.set_sync_debug_mode("error")
         try:
             x0, y = loader.next()
-            loss, grad_norm, ok = ddpm.train_step(model, diffusion, opt, x0, y, "bf16", 1.0, channels_last=True)
-            ddpm.ema_update(ema, model, 0.999, ok)
+            out = ddpm.train_step(model, diffusion, opt, x0, y, "bf16", 1.0, channels_last=True)
+            ddpm.ema_update(ema, model, 0.999, out.ok)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    assert torch.isfinite(loss) and ok.item() == 1
+    assert torch.isfinite(out.loss) and out.ok.item() == 1
 
 
 @pytest.mark.parametrize("mode", ["reduce-overhead"])

@@ -76,3 +76,18 @@ def test_lines_and_functions_stay_short():
                 cap = 110 if (name, node.name) == ("ddpm.py", "train") else limit
                 assert n <= cap, f"{name}: {node.name} is {n} lines (at most {cap})"
     assert sum(1 for _ in open(os.path.join(ROOT, "ddpm.py"))) <= 1250
+
+
+def test_one_training_step_and_no_side_channel():
+    """Diffusion.loss hands its per-sample losses and timesteps back (no attributes written on the side), and
+    train() and every speed measurement run the one ddpm.iteration (its LR, train_step, the EMA's warm-up)."""
+    ddpm_source = open(os.path.join(ROOT, "ddpm.py")).read()
+    assert "self.last_" not in ddpm_source and ".last_losses" not in ddpm_source
+    for path in SOURCES:
+        source = open(path).read()
+        if os.path.basename(path) != "ddpm.py":  # only ddpm.iteration calls these two
+            calls = re.findall(r"ddpm\.(train_step|ema_update)\(", source)
+            assert not calls, f"{os.path.relpath(path, ROOT)} calls ddpm.{calls[0]}: use ddpm.iteration"
+    train = ast.get_source_segment(ddpm_source, next(n for n in ast.parse(ddpm_source).body
+                                                      if isinstance(n, ast.FunctionDef) and n.name == "train"))
+    assert "iteration(" in train and "train_step(" not in train and "ema_update(" not in train

@@ -113,9 +113,9 @@ def test_gradient_accumulation_equals_one_big_batch(k):
         before = [p.detach().clone() for p in model.parameters()]
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
         torch.manual_seed(1)
-        loss, _, ok = ddpm.train_step(model, diffusion, opt, x0, y, "fp32", 0.0, accum_steps=steps)
+        step = ddpm.train_step(model, diffusion, opt, x0, y, "fp32", 0.0, accum_steps=steps)
         grads = [b - p.detach() for b, p in zip(before, model.parameters())]
-        out.append((loss, grads, diffusion.last_t.clone(), diffusion.last_losses.clone()))
+        out.append((step.loss, grads, step.t, step.losses))
     (l1, g1, t1, s1), (lk, gk, tk, sk) = out
     assert torch.equal(t1, tk)  # the same timesteps, noise and label dropout: drawn once per batch
     torch.testing.assert_close(sk, s1, rtol=1e-5, atol=1e-6)
@@ -147,7 +147,7 @@ def test_fp16_overflow_is_one_skip_and_lowers_the_scale():
     scaler._init_scale = 2.0**100  # a scale that overflows fp16 gradients for certain
     before = [p.detach().clone() for p in model.parameters()]
     x0 = torch.rand(4, 3, 16, 16) * 2 - 1
-    loss, norm, ok = ddpm.train_step(model, diffusion, opt, x0, None, "fp16", 1.0, scaler=scaler)
-    assert ok.item() == 0 and torch.isfinite(loss)  # the loss was fine; the scaled gradients were not
+    step = ddpm.train_step(model, diffusion, opt, x0, None, "fp16", 1.0, scaler=scaler)
+    assert step.ok.item() == 0 and torch.isfinite(step.loss)  # the loss was fine; the scaled gradients were not
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))  # skipped: nothing moved
     assert scaler.get_scale() == 2.0**99  # and the scaler backed off, once

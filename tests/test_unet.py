@@ -130,7 +130,7 @@ def test_paper_presets_build_and_train_a_step_at_reduced_width(preset):
     model = UNet(small)
     x = torch.randn(1, 3, mc.image_size, mc.image_size)
     y = torch.tensor([3]) if mc.num_classes else None
-    loss = Diffusion(small).loss(model, x, y)
+    loss = Diffusion(small).loss(model, x, y)[0].mean()
     loss.backward()
     assert torch.isfinite(loss) and model.conv_out.weight.grad.abs().sum() > 0
     assert model.conv_in.in_channels == 3 * mc.patch_size**2
