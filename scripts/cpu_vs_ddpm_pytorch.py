@@ -161,8 +161,8 @@ def parse_ours(spec):
     for item in filter(None, (s.strip() for s in spec.split(","))):
         mode, _, batch = item.partition(":")
         if not set(mode.split("+")) <= set(OUR_MODES) or not batch.isdigit():
-            raise SystemExit(f"error: --ours item '{item}': expected MODE:BATCH, MODE one or more of "
-                             f"{', '.join(OUR_MODES)} joined by '+'")
+            raise errors.UserError(f"--ours item '{item}': expected MODE:BATCH, MODE one or more of "
+                                   f"{', '.join(OUR_MODES)} joined by '+'")
         out.append((mode, int(batch)))
     return out
 

@@ -181,12 +181,12 @@ def parse_list(spec, typ, name, choices=None):
     try:
         out = [typ(s.strip()) for s in spec.split(",") if s.strip()]
     except ValueError:
-        raise SystemExit(
-            f"error: {name} '{spec}': expected a comma-separated list of {typ.__name__}") from None
+        what = f"expected a comma-separated list of {typ.__name__}"
+        raise errors.UserError(f"{name} '{spec}': {what}") from None
     bad = [v for v in out if choices is not None and v not in choices]
     if not out or bad:
-        raise SystemExit(f"error: {name} '{spec}': expected one or more of "
-                         f"{', '.join(map(str, choices or []))}")
+        raise errors.UserError(f"{name} '{spec}': expected one or more of "
+                               f"{', '.join(map(str, choices or []))}")
     return out
 
 
@@ -315,7 +315,8 @@ def report(args, rows, their_modes, t_start, peaks32, peaks16, flops):
 
 
 def main(argv=None):
-    args, batches, dropouts, ours_modes, their_modes = parse_args(argv)
+    with errors.reported():  # a bad argument: one error line
+        args, batches, dropouts, ours_modes, their_modes = parse_args(argv)
     if not cpu_timing.importable("diffusers", "pip install diffusers"):
         return None
     with errors.reported():

@@ -185,7 +185,8 @@ def parse_args(argv):
 
 
 def main(argv=None):
-    args = parse_args(argv)
+    with errors.reported():  # a bad argument: one error line
+        args = parse_args(argv)
     if not cpu_timing.importable("diffusers", "pip install diffusers"):
         return None
     import mfu

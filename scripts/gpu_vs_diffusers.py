@@ -49,19 +49,15 @@ def parse_args(argv):
     ours = parse_list(args.ours, str, "--ours", OUR_MODES)
     theirs = parse_list(args.theirs, str, "--theirs", THEIR_MODES)
     if args.warmup < 0 or args.timed < 1 or min(batches) < 1:
-        raise SystemExit("error: need --warmup >= 0, --timed >= 1 and batches >= 1")
+        raise errors.UserError("need --warmup >= 0, --timed >= 1 and batches >= 1")
     return args, batches, ours, theirs
 
 
 def open_device(name):
-    """The device (made current on a GPU, for StepTimer's events and syncs); a bad name exits 1 with one
-    `error:` line."""
+    """The device (made current on a GPU, for StepTimer's events and syncs); a bad name raises UserError."""
     import runs
 
-    try:
-        device = runs.resolve_device(name)
-    except errors.UserError as e:
-        raise SystemExit(f"error: {e}") from None
+    device = runs.resolve_device(name)  # a bad name: its UserError
     if device.type == "cuda":
         # StepTimer's events and syncs use the current device; 'cuda' alone names the current one (torch 2.11
         # refuses a device without an index here)
@@ -202,7 +198,8 @@ def save(args, env, interrupted, peak, rows):
 
 
 def main(argv=None):
-    args, batches, ours, theirs = parse_args(argv)
+    with errors.reported():  # a bad argument: one error line
+        args, batches, ours, theirs = parse_args(argv)
     if not cpu_timing.importable("diffusers", "carry its wheel (scripts/gpu_bench.sh)"):
         return None
     with errors.reported():

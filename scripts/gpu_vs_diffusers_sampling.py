@@ -58,10 +58,10 @@ def parse_args(argv):
     args.ours = parse_list(args.ours, str, "--ours", OURS)
     args.theirs = parse_list(args.theirs, str, "--theirs", THEIRS)
     if args.warmup < 1 or args.timed < 1 or min(args.batches) < 1 or not 1 <= args.steps <= 1000:
-        raise SystemExit("error: need --warmup >= 1, --timed >= 1, batches >= 1 and --steps in [1, 1000]")
+        raise errors.UserError("need --warmup >= 1, --timed >= 1, batches >= 1 and --steps in [1, 1000]")
     if not 64 <= args.base_channels <= 1024 or args.base_channels % 32:  # 32 groups in every GroupNorm
-        raise SystemExit("error: --base_channels must be a multiple of 32 in [64, 1024] (diffusers' "
-                         "UNet2DModel has one GroupNorm group count)")
+        raise errors.UserError("--base_channels must be a multiple of 32 in [64, 1024] (diffusers' "
+                               "UNet2DModel has one GroupNorm group count)")
     return args
 
 
@@ -143,7 +143,8 @@ def report(args, rows, flops, peak):
 
 
 def main(argv=None):
-    args = parse_args(argv)
+    with errors.reported():  # a bad argument: one error line
+        args = parse_args(argv)
     if not cpu_timing.importable("diffusers", "carry its wheel (scripts/gpu_bench.sh)"):
         return None
     with errors.reported():

@@ -228,7 +228,8 @@ def test_a_ladder_row_times_the_iteration_train_runs(monkeypatch):
 
     seen = []
     real = ddpm.iteration
-    monkeypatch.setattr(ddpm, "iteration", lambda b, x0, y, tc, step, *a: seen.append(step) or real(b, x0, y, tc, step, *a))
+    monkeypatch.setattr(ddpm, "iteration",
+                        lambda b, x0, y, tc, step, *a: seen.append(step) or real(b, x0, y, tc, step, *a))
     mc = tiny_model()
     images, labels, _ = data.shapes(64, mc.image_size)
     row = dict(benchmark.LADDER[0][1], attention="sdpa", loader="resident")

@@ -91,3 +91,17 @@ def test_one_training_step_and_no_side_channel():
     train = ast.get_source_segment(ddpm_source, next(n for n in ast.parse(ddpm_source).body
                                                       if isinstance(n, ast.FunctionDef) and n.name == "train"))
     assert "iteration(" in train and "train_step(" not in train and "ema_update(" not in train
+
+
+def test_scripts_report_user_errors_through_the_one_path(capsys):
+    """No command prints its own `error:` line: a bad argument to a script is a UserError, reported by
+    errors.reported() as one line and exit status 2, as everywhere else."""
+    from conftest import one_line_error
+
+    for path in SOURCES:
+        assert not re.search(r"SystemExit\(f?.error", open(path).read()), path
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import gpu_vs_diffusers_sampling
+
+    err = one_line_error(capsys, gpu_vs_diffusers_sampling.main, ["--device", "cpu", "--base_channels", "48"])
+    assert "multiple of 32" in err
