@@ -178,7 +178,7 @@ class TrainerConfig:  # the run
     eval_bpd_images: int = ranged(1000, 0)              # held-out images for bits/dim (the test split;
                                                         # 'folder': its own images); 0 = none
     eval_bpd_strata: int = ranged(8, 1)                 # bits/dim estimated from 2 x strata + 1 network calls
-                                                        # (Diffusion.bpd_estimate)
+                                                        # (evaluate.bpd_estimate)
     seed: int = ranged(0, 0, 2**63 - 1024)              # seeds the weights, the data order, the noise and the
                                                         # grids
     device: str = "auto"                                # 'auto' = cuda if present, else cpu; or 'cpu',
@@ -627,89 +627,6 @@ class Diffusion(torch.nn.Module):
         spec = SAMPLERS[sampler]
         ts = self.timestep_sequence(steps, spacing=spec.spacing)
         return spec.run(self, denoise, draw(), ts, draw, eta).clamp(-1, 1)
-
-
-    @torch.no_grad()
-    def bpd(self, model, x0, y=None, threshold="static", generator=None):
-        """Bits per dimension of the full variational bound (Ho et al. eq. 5), one value per image: (B,).
-
-        L = L_T + sum_{t>1} L_{t-1} + L_0, in nats, divided by D ln 2 (D = C·H·W), for 8-bit data in [-1, 1]:
-          L_T     = KL(q(x_T|x_0) || N(0, I)), in closed form;
-          L_{t-1} = KL(q(x_{t-1}|x_t, x_0) || p(x_{t-1}|x_t)) at one x_t ~ q(x_t|x_0) per t, where p
-                    has the posterior mean with x̂₀ plugged in and variance β̃_t ('small') or β_t ('large');
-          L_0     = -log p(x_0|x_1), a Gaussian at x̂₀ discretised into 256 bins of width 2/255, the
-                    edge bins open-ended (eq. 13).
-        The decoder's variance is β̃ of the paper's t = 2 for both choices, as β̃_1 = 0 (Ho et al.'s code
-        does the same). T network calls per batch; `generator` fixes the x_t draws.
-        """
-        x0 = x0.double()
-        nats = self._prior_nats(x0) + sum(self._vb_term(model, x0, t, y, threshold, generator)
-                                          for t in range(self.cfg.timesteps - 1, -1, -1))
-        return nats / (x0[0].numel() * math.log(2))
-
-    @torch.no_grad()
-    def bpd_estimate(self, model, x0, y=None, strata=50, threshold="static", generator=None):
-        """The bound of `bpd` from 2·strata + 1 network calls instead of T: -> (bits/dim, standard error),
-        each (B,).
-
-        The KL terms t = 1..T-1 are cut into `strata` contiguous strata of n_k timesteps; two timesteps
-        drawn uniformly in each give the stratified estimate Σ_k n_k (L_a + L_b)/2 of their sum, with
-        variance Σ_k n_k² (L_a - L_b)²/4. The prior and decoder terms are computed exactly. Every image
-        draws its own timesteps, so the images' errors are independent and their standard errors combine
-        as such (one draw shared by the batch would correlate them).
-        """
-        x0, T = x0.double(), self.cfg.timesteps
-        if not 1 <= strata <= T - 1:
-            raise ValueError(f"strata must lie in [1, {T - 1}]")
-        nats = self._prior_nats(x0) + self._vb_term(model, x0, 0, y, threshold, generator)
-        var = torch.zeros_like(nats)
-        edges = torch.linspace(1, T, strata + 1).round().long().tolist()
-        for lo, hi in zip(edges[:-1], edges[1:]):
-            draws = torch.randint(lo, hi, (2, x0.shape[0]), generator=generator,
-                                  device=generator.device if generator else "cpu")
-            a, b = (self._vb_term(model, x0, t.to(x0.device), y, threshold, generator) for t in draws)
-            nats += (hi - lo) * (a + b) / 2
-            var += (hi - lo) ** 2 * (a - b) ** 2 / 4
-        scale = x0[0].numel() * math.log(2)
-        return nats / scale, var.sqrt() / scale
-
-    def _prior_nats(self, x0):
-        """L_T = KL(q(x_T|x_0) || N(0, I)) per image, in nats."""
-        ab_T = self.alpha_bar[-1].item()
-        return normal_kl(ab_T**0.5 * x0, 1 - ab_T, 0.0, 1.0).flatten(1).sum(1)
-
-    def _vb_term(self, model, x0, t, y, threshold, generator):
-        """L_{t-1} of eq. 5 per image, in nats, at one x_t ~ q(x_t|x_0); t: one timestep for the batch, or
-        (B,) timesteps >= 1, one per image; t = 0 is the decoder L_0."""
-        tt = torch.full((x0.shape[0],), t, device=x0.device, dtype=torch.long) if isinstance(t, int) else t
-        noise = torch.randn(x0.shape, generator=generator,
-                            device=generator.device if generator else x0.device)
-        z = self.q_sample(x0, tt, noise.to(x0.device, torch.float64))
-        x0_hat, _ = self.predict_x0_eps(model(z.float(), tt, y).double(), z, tt, threshold)
-        mean_p, _ = self.q_posterior_mean_variance(x0_hat, z, tt)
-        if isinstance(t, int) and t == 0:  # the discretised decoder
-            return -discretized_gaussian_log_likelihood(x0, mean_p,
-                                                        self.posterior_variance[1].item()).flatten(1).sum(1)
-        mean_q, var_q = self.q_posterior_mean_variance(x0, z, tt)
-        var_p = extract(self.posterior_variance if self.cfg.reverse_variance == "small" else self.betas,
-                        tt, x0)
-        return normal_kl(mean_q, var_q, mean_p, var_p).flatten(1).sum(1)
-
-
-def normal_kl(mean1, var1, mean2, var2):
-    """KL(N(mean1, var1) || N(mean2, var2)) per element, in nats."""
-    var1, var2 = torch.as_tensor(var1, dtype=torch.float64), torch.as_tensor(var2, dtype=torch.float64)
-    return 0.5 * (torch.log(var2 / var1) + (var1 + (mean1 - mean2) ** 2) / var2 - 1)
-
-
-def discretized_gaussian_log_likelihood(x, mean, var):
-    """log P(x) for x in {-1, ..., 1} (256 levels) under N(mean, var) integrated over each pixel's bin
-    [x - 1/255, x + 1/255]; the bins of -1 and 1 extend to -inf and +inf (Ho et al. eq. 13)."""
-    std = var**0.5
-    cdf = lambda v: 0.5 * (1 + torch.erf((v - mean) / (std * math.sqrt(2))))  # noqa: E731
-    upper = torch.where(x > 0.999, torch.ones_like(x), cdf(x + 1 / 255))
-    lower = torch.where(x < -0.999, torch.zeros_like(x), cdf(x - 1 / 255))
-    return torch.log((upper - lower).clamp(min=1e-12))
 
 
 def dynamic_threshold(x0, percentile=0.995):

@@ -2,7 +2,7 @@
 
     ref = reference_stats(inception(device), "cifar10", "data", 32, 50_000, device, cache_dir)  # cached
     fid_metrics(*features(extractor, batches, device), ref)     # {'fid', 'inception_score', 'precision', ...}
-    held_out_bits(diffusion, model, images, labels, ...)        # Diffusion.bpd / bpd_estimate, batched
+    held_out_bits(diffusion, model, images, labels, ...)        # bpd / bpd_estimate (below), batched
     TrainingEval(mc, tc, diffusion, device)(net, ema)           # what train() logs every eval_every_steps
 
 A library for sample.py and ddpm.py; it imports neither: it is handed the model callable, the Diffusion and
@@ -21,6 +21,7 @@ train or test; --data_dir). B's statistics are cached in --stats_dir when B is a
 """
 import hashlib
 import json
+import math
 import os
 import time
 import zipfile
@@ -256,6 +257,96 @@ def fid_metrics(gen_feats, gen_logits, ref, prc=True):
     return out
 
 
+# -----------------------------------------------------------------------------
+# Bits/dim: the variational bound of a Diffusion's model on held-out images
+
+
+@torch.no_grad()
+def bpd(diffusion, model, x0, y=None, threshold="static", generator=None):
+    """Bits per dimension of the full variational bound (Ho et al. eq. 5), one value per image: (B,).
+
+    L = L_T + sum_{t>1} L_{t-1} + L_0, in nats, divided by D ln 2 (D = C·H·W), for 8-bit data in [-1, 1]:
+      L_T     = KL(q(x_T|x_0) || N(0, I)), in closed form;
+      L_{t-1} = KL(q(x_{t-1}|x_t, x_0) || p(x_{t-1}|x_t)) at one x_t ~ q(x_t|x_0) per t, where p
+                has the posterior mean with x̂₀ plugged in and variance β̃_t ('small') or β_t ('large');
+      L_0     = -log p(x_0|x_1), a Gaussian at x̂₀ discretised into 256 bins of width 2/255, the
+                edge bins open-ended (eq. 13).
+    The decoder's variance is β̃ of the paper's t = 2 for both choices, as β̃_1 = 0 (Ho et al.'s code
+    does the same). T network calls per batch; `generator` fixes the x_t draws.
+    """
+    x0 = x0.double()
+    nats = prior_nats(diffusion, x0) + sum(vb_term(diffusion, model, x0, t, y, threshold, generator)
+                                           for t in range(diffusion.cfg.timesteps - 1, -1, -1))
+    return nats / (x0[0].numel() * math.log(2))
+
+
+@torch.no_grad()
+def bpd_estimate(diffusion, model, x0, y=None, strata=50, threshold="static", generator=None):
+    """The bound of `bpd` from 2·strata + 1 network calls instead of T: -> (bits/dim, standard error),
+    each (B,).
+
+    The KL terms t = 1..T-1 are cut into `strata` contiguous strata of n_k timesteps; two timesteps
+    drawn uniformly in each give the stratified estimate Σ_k n_k (L_a + L_b)/2 of their sum, with
+    variance Σ_k n_k² (L_a - L_b)²/4. The prior and decoder terms are computed exactly. Every image
+    draws its own timesteps, so the images' errors are independent and their standard errors combine
+    as such (one draw shared by the batch would correlate them).
+    """
+    x0, T = x0.double(), diffusion.cfg.timesteps
+    if not 1 <= strata <= T - 1:
+        raise ValueError(f"strata must lie in [1, {T - 1}]")
+    nats = prior_nats(diffusion, x0) + vb_term(diffusion, model, x0, 0, y, threshold, generator)
+    var = torch.zeros_like(nats)
+    edges = torch.linspace(1, T, strata + 1).round().long().tolist()
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        draws = torch.randint(lo, hi, (2, x0.shape[0]), generator=generator,
+                              device=generator.device if generator else "cpu")
+        a, b = (vb_term(diffusion, model, x0, t.to(x0.device), y, threshold, generator) for t in draws)
+        nats += (hi - lo) * (a + b) / 2
+        var += (hi - lo) ** 2 * (a - b) ** 2 / 4
+    scale = x0[0].numel() * math.log(2)
+    return nats / scale, var.sqrt() / scale
+
+
+def prior_nats(diffusion, x0):
+    """L_T = KL(q(x_T|x_0) || N(0, I)) per image, in nats."""
+    ab_T = diffusion.alpha_bar[-1].item()
+    return normal_kl(ab_T**0.5 * x0, 1 - ab_T, 0.0, 1.0).flatten(1).sum(1)
+
+
+def vb_term(diffusion, model, x0, t, y, threshold, generator):
+    """L_{t-1} of eq. 5 per image, in nats, at one x_t ~ q(x_t|x_0); t: one timestep for the batch, or
+    (B,) timesteps >= 1, one per image; t = 0 is the decoder L_0."""
+    tt = torch.full((x0.shape[0],), t, device=x0.device, dtype=torch.long) if isinstance(t, int) else t
+    noise = torch.randn(x0.shape, generator=generator,
+                        device=generator.device if generator else x0.device)
+    z = diffusion.q_sample(x0, tt, noise.to(x0.device, torch.float64))
+    x0_hat, _ = diffusion.predict_x0_eps(model(z.float(), tt, y).double(), z, tt, threshold)
+    mean_p, _ = diffusion.q_posterior_mean_variance(x0_hat, z, tt)
+    if isinstance(t, int) and t == 0:  # the discretised decoder
+        return -discretized_gaussian_log_likelihood(x0, mean_p,
+                                                    diffusion.posterior_variance[1].item()).flatten(1).sum(1)
+    mean_q, var_q = diffusion.q_posterior_mean_variance(x0, z, tt)
+    table = diffusion.posterior_variance if diffusion.cfg.reverse_variance == "small" else diffusion.betas
+    var_p = table[tt].to(x0.dtype).view(-1, *([1] * (x0.dim() - 1)))  # ddpm.extract
+    return normal_kl(mean_q, var_q, mean_p, var_p).flatten(1).sum(1)
+
+
+def normal_kl(mean1, var1, mean2, var2):
+    """KL(N(mean1, var1) || N(mean2, var2)) per element, in nats."""
+    var1, var2 = torch.as_tensor(var1, dtype=torch.float64), torch.as_tensor(var2, dtype=torch.float64)
+    return 0.5 * (torch.log(var2 / var1) + (var1 + (mean1 - mean2) ** 2) / var2 - 1)
+
+
+def discretized_gaussian_log_likelihood(x, mean, var):
+    """log P(x) for x in {-1, ..., 1} (256 levels) under N(mean, var) integrated over each pixel's bin
+    [x - 1/255, x + 1/255]; the bins of -1 and 1 extend to -inf and +inf (Ho et al. eq. 13)."""
+    std = var**0.5
+    cdf = lambda v: 0.5 * (1 + torch.erf((v - mean) / (std * math.sqrt(2))))  # noqa: E731
+    upper = torch.where(x > 0.999, torch.ones_like(x), cdf(x + 1 / 255))
+    lower = torch.where(x < -0.999, torch.zeros_like(x), cdf(x - 1 / 255))
+    return torch.log((upper - lower).clamp(min=1e-12))
+
+
 def held_out_bits(diffusion, model, images, labels, num_classes, device, batch, strata=0, threshold="static",
                   generator=None, progress=False):
     """Bits/dim of uint8 images, batch by batch, in fp32/fp64: the exact bound (strata = 0) or its
@@ -270,11 +361,11 @@ def held_out_bits(diffusion, model, images, labels, num_classes, device, batch, 
         x0 = images[start : start + batch].to(device).double() / 127.5 - 1
         y = labels[start : start + batch].to(device) if num_classes > 0 else None
         if strata:
-            b, se = diffusion.bpd_estimate(model, x0, y, strata=strata, threshold=threshold,
-                                           generator=generator)
+            b, se = bpd_estimate(diffusion, model, x0, y, strata=strata, threshold=threshold,
+                                 generator=generator)
             est_var += (se**2).sum().item()
         else:
-            b = diffusion.bpd(model, x0, y, threshold=threshold, generator=generator)
+            b = bpd(diffusion, model, x0, y, threshold=threshold, generator=generator)
         bits.append(b.cpu())
         bar.update(len(x0))
     bar.close()

@@ -170,7 +170,7 @@ def parse_args(argv):
                    help="grid PNG; the .npz (and, with --eval, a .json of the results) is written beside it")
     p.add_argument("--eval", choices=["samples", "fid", "bpd"], default="samples",
                    help="samples: draw --n images; fid: also FID/IS/precision/recall of them against the "
-                        "training set; bpd: bits/dim of --n held-out images (Diffusion.bpd)")
+                        "training set; bpd: bits/dim of --n held-out images (evaluate.bpd)")
     p.add_argument("--strata", type=int, default=0,
                    help="bpd: estimate from 2*strata+1 network calls; 0 = all T (exact)")
     p.add_argument("--dataset", help="fid: the reference (train split), bpd: held-out data (test split); "

@@ -6,7 +6,8 @@ import pytest
 import torch
 from scipy.stats import norm
 
-from ddpm import Diffusion, ModelConfig, discretized_gaussian_log_likelihood, normal_kl
+from ddpm import Diffusion, ModelConfig
+from evaluate import bpd, bpd_estimate, discretized_gaussian_log_likelihood, normal_kl
 
 
 def eight_bit(shape, seed=0):
@@ -37,7 +38,7 @@ def decoder_nats(x, std):
 def test_bpd_of_a_model_that_knows_x0_small_variance(prediction):
     d = Diffusion(ModelConfig(timesteps=50, prediction=prediction, reverse_variance="small"))
     x0 = eight_bit((3, 3, 4, 4))
-    got = d.bpd(oracle(d, x0), x0, threshold="none", generator=torch.Generator().manual_seed(0))
+    got = bpd(d, oracle(d, x0), x0, threshold="none", generator=torch.Generator().manual_seed(0))
     ab_T = d.alpha_bar[-1].item()
     # L_T per dim: KL(N(√ᾱ_T x, 1-ᾱ_T) || N(0, 1)) = ½(-log(1-ᾱ_T) + (1-ᾱ_T) + ᾱ_T x² - 1)
     prior = 0.5 * (-math.log(1 - ab_T) + (1 - ab_T) + ab_T * x0.numpy() ** 2 - 1)
@@ -54,7 +55,7 @@ def test_bpd_large_variance_adds_the_variance_mismatch_of_every_step():
     small = Diffusion(ModelConfig(timesteps=50, prediction="x", reverse_variance="small"))
     x0 = eight_bit((2, 3, 4, 4), seed=1)
     g = lambda: torch.Generator().manual_seed(0)  # noqa: E731
-    extra = d.bpd(oracle(d, x0), x0, generator=g()) - small.bpd(oracle(small, x0), x0, generator=g())
+    extra = bpd(d, oracle(d, x0), x0, generator=g()) - bpd(small, oracle(small, x0), x0, generator=g())
     bt, bs = d.betas[1:].numpy(), d.posterior_variance[1:].numpy()
     per_dim = 0.5 * (np.log(bt / bs) + bs / bt - 1)  # KL(N(μ, β̃_t) || N(μ, β_t)) for t = 2..T
     np.testing.assert_allclose(extra.numpy(), per_dim.sum() / math.log(2), rtol=1e-6)
@@ -74,8 +75,8 @@ def test_discretized_likelihood_and_kl_helpers():
 def test_a_worse_model_has_more_bits():
     d = Diffusion(ModelConfig(timesteps=50, prediction="x"))
     x0 = eight_bit((2, 3, 4, 4), seed=2)
-    good = d.bpd(oracle(d, x0), x0, generator=torch.Generator().manual_seed(0))
-    bad = d.bpd(lambda z, t, y: torch.zeros_like(z), x0, generator=torch.Generator().manual_seed(0))
+    good = bpd(d, oracle(d, x0), x0, generator=torch.Generator().manual_seed(0))
+    bad = bpd(d, lambda z, t, y: torch.zeros_like(z), x0, generator=torch.Generator().manual_seed(0))
     assert (bad > good + 0.5).all()
 
 
@@ -83,16 +84,16 @@ def test_stratified_estimate_is_exact_where_the_terms_vanish_and_close_elsewhere
     d = Diffusion(ModelConfig(timesteps=100, prediction="x", reverse_variance="small"))
     x0 = eight_bit((2, 3, 4, 4), seed=3)
     g = lambda: torch.Generator().manual_seed(0)  # noqa: E731
-    exact = d.bpd(oracle(d, x0), x0, generator=g())
-    est, se = d.bpd_estimate(oracle(d, x0), x0, strata=10, generator=g())
+    exact = bpd(d, oracle(d, x0), x0, generator=g())
+    est, se = bpd_estimate(d, oracle(d, x0), x0, strata=10, generator=g())
     torch.testing.assert_close(est, exact, rtol=1e-9, atol=1e-9)  # every KL term is 0: no sampling error
     assert (se < 1e-9).all()
 
     def blurry(z, t, y):  # an imperfect model: the KL terms now vary with t
         return 0.8 * oracle(d, x0)(z, t, y)
 
-    exact = d.bpd(blurry, x0, generator=g())
-    est, se = d.bpd_estimate(blurry, x0, strata=20, generator=g())  # 41 calls instead of 100
+    exact = bpd(d, blurry, x0, generator=g())
+    est, se = bpd_estimate(d, blurry, x0, strata=20, generator=g())  # 41 calls instead of 100
     assert (se > 0).all()
     assert ((est - exact).abs() < 4 * se + 1e-3).all()
 
@@ -105,7 +106,7 @@ def test_reported_standard_error_matches_the_spread_over_repeats():
     g = torch.Generator().manual_seed(0)
     means, reported = [], []
     for _ in range(80):
-        est, se = d.bpd_estimate(lambda z, t, y: 0.8 * oracle(d, x0)(z, t, y), x0, strata=5, generator=g)
+        est, se = bpd_estimate(d, lambda z, t, y: 0.8 * oracle(d, x0)(z, t, y), x0, strata=5, generator=g)
         means.append(est.mean().item())
         reported.append((se**2).sum().sqrt().item() / len(x0))
     ratio = np.sqrt(np.mean(np.square(reported))) / np.std(means, ddof=1)

@@ -75,7 +75,8 @@ def test_lines_and_functions_stay_short():
                 n = node.end_lineno - node.lineno + 1
                 cap = 110 if (name, node.name) == ("ddpm.py", "train") else limit
                 assert n <= cap, f"{name}: {node.name} is {n} lines (at most {cap})"
-    assert sum(1 for _ in open(os.path.join(ROOT, "ddpm.py"))) <= 1250
+    # the likelihood (bits/dim) lives in evaluate.py beside its caller; issue 32 aims at 1,150
+    assert sum(1 for _ in open(os.path.join(ROOT, "ddpm.py"))) <= 1170
 
 
 def test_one_training_step_and_no_side_channel():
