@@ -22,22 +22,20 @@ other data than asked is refused; betons and their .json are created fresh and r
 Measured (2026-12-02, 2 CPU cores, CIFAR-10 train): FFCVLoader 78k img/s, 16.9x a typical torch
 DataLoader with per-sample transforms and 2 workers (`python benchmark.py --loaders`, BENCHMARKS.md).
 """
-import contextlib
 import hashlib
 import json
 import math
 import os
-import shutil
-import signal
 import stat
-import threading
 import typing
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+import beton
 import files
+import group
 from errors import UserError, reported
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
@@ -47,8 +45,6 @@ SHAPE_CLASSES = ("circle", "square", "triangle", "diamond")  # label order of th
 # images in the built-in 'shapes' dataset, unless told otherwise (TrainerConfig.shapes_count)
 SHAPES_COUNT = 50_000
 BETON_DIR = "data/betons"  # where betons are cached, unless told otherwise (TrainerConfig.beton_dir)
-PROVENANCE = ("dataset", "split", "image_size", "source")  # the fields of provenance(), in the order checked
-META_LIMIT = 2**20  # bytes: a beton's .json is a few hundred; a larger one is not ours
 
 
 def resize_center_crop(images, size):
@@ -271,146 +267,77 @@ def shapes_seed(train):
     return 0 if train else 1
 
 
+class Dataset(typing.NamedTuple):
+    """An entry of DATASETS: a coded dataset's loader and what its data_dir means (`reads`), which decides how
+    the loader is called and what provenance() records of its source."""
+    load: typing.Callable    # -> (images, labels, classes); download: load(data_dir, image_size, train);
+    #                          folder: load(data_dir, image_size, listing);
+    #                          built-in: load(shapes_count, image_size, seed)
+    reads: str               # 'download' (data_dir: where it is downloaded to), 'folder' (data_dir: the
+    #                          images), 'built-in' (no files: shapes_count images, seeded by the split)
+    splits: tuple = ("train", "test")  # its DATASET:SPLIT operands of evaluate.py --fid; () for none
+    image_size: int = 0      # its own resolution (evaluate.py's default size), 0 for none
+
+
+# the coded datasets: TrainerConfig.dataset, data.py --dataset and evaluate.py's DATASET:SPLIT read this
+# table. Adding one is one loader function and one entry.
+DATASETS = {
+    "cifar10": Dataset(cifar10, "download", image_size=32),
+    "folder": Dataset(image_folder, "folder", splits=()),
+    "shapes": Dataset(shapes, "built-in"),
+}
+
+
+def spec(name):
+    """DATASETS[name]; an unknown name is one line naming the choices."""
+    if name not in DATASETS:
+        raise UserError(f"unknown dataset '{name}': choose one of {', '.join(DATASETS)}")
+    return DATASETS[name]
+
+
 def load_dataset(name, data_dir, image_size, shapes_count=SHAPES_COUNT, train=True, listing=None):
-    """-> (images (N, 3, H, W) uint8, labels (N,) int64, num_classes). `listing`: for 'folder', the walk of
+    """-> (images (N, 3, H, W) uint8, labels (N,) int64, num_classes). `listing`: for a folder, the walk of
     data_dir already made (image_files), so that what is read is what was named."""
-    if name == "cifar10":
-        return cifar10(data_dir, image_size, train)
-    if name == "folder":
-        return image_folder(data_dir, image_size, listing)
-    if name == "shapes":
-        return shapes(shapes_count, image_size, seed=shapes_seed(train))
-    raise UserError(f"unknown dataset '{name}'")
+    d = spec(name)
+    if d.reads == "download":
+        return d.load(data_dir, image_size, train)
+    if d.reads == "folder":
+        return d.load(data_dir, image_size, listing)
+    return d.load(shapes_count, image_size, seed=shapes_seed(train))
 
 
-def provenance(dataset, data_dir, image_size, shapes_count=SHAPES_COUNT, train=True, listing=None):
+def provenance(name, data_dir, image_size, shapes_count=SHAPES_COUNT, train=True, listing=None):
     """The settings that define a split's data, as JSON-able values: equal dicts, the same images.
 
-    {"dataset": 'cifar10' | 'folder' | 'shapes', "split": 'train' | 'test', "image_size": int,
-     "source": str}, the source being, for 'folder', its absolute path, image count and a fingerprint of its
-    image files (relative paths, sizes, modification times: image_files); for 'cifar10', the absolute
-    download folder; for 'shapes', the count and seed. Recorded in each beton's .json and checked on use.
-    A folder is walked (stat only) unless `listing`, its walk, is given."""
-    if dataset == "folder":
+    {"dataset": a DATASETS key, "split": 'train' | 'test', "image_size": int, "source": str}, the source
+    being, for a folder, its absolute path, image count and a fingerprint of its image files (relative paths,
+    sizes, modification times: image_files); for a download, the absolute download folder; for a built-in
+    dataset, the count and seed. Recorded in each beton's .json and checked on use. A folder is walked
+    (stat only) unless `listing`, its walk, is given."""
+    reads = spec(name).reads
+    if reads == "folder":
         listing = image_files(data_dir) if listing is None else listing
-        source = (f"folder {os.path.abspath(data_dir)}: {len(listing.files)} images, "
+        source = (f"{name} {os.path.abspath(data_dir)}: {len(listing.files)} images, "
                   f"files {listing.fingerprint()}")
-    elif dataset == "cifar10":
-        source = f"cifar10 in {os.path.abspath(data_dir)}"
-    elif dataset == "shapes":
-        source = f"shapes: {shapes_count} images, seed {shapes_seed(train)}"
+    elif reads == "download":
+        source = f"{name} in {os.path.abspath(data_dir)}"
     else:
-        raise UserError(f"unknown dataset '{dataset}'")
-    return {"dataset": dataset, "split": "train" if train else "test", "image_size": int(image_size),
+        source = f"{name}: {shapes_count} images, seed {shapes_seed(train)}"
+    return {"dataset": name, "split": "train" if train else "test", "image_size": int(image_size),
             "source": source}
 
 
 # -----------------------------------------------------------------------------
-# FFCV .beton files: written once per (dataset, split, resolution), then reused
-
-
-def ffcv_available():
-    try:
-        with torch_threads_kept():
-            import ffcv  # noqa: F401
-
-        return True
-    except ImportError:  # not installed, or its native libraries (libturbojpeg, OpenCV) are missing
-        return False
-
-
-@contextlib.contextmanager
-def torch_threads_kept():
-    """FFCV sets torch's process-wide thread count to its own worker count (1 on import, num_workers on
-    each loader and epoch): a CPU training step would silently run on that many cores. Keep ours."""
-    n = torch.get_num_threads()
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
-
-
-def write_beton(images, labels, path, num_workers=2):
-    """(N, 3, H, W) uint8 images and (N,) labels -> an FFCV .beton (RGBImageField + IntField).
-
-    Up to 64 px the pixels are stored raw, so they load back bit-exact; larger images are stored
-    as JPEG at quality 90. The file appears under its name only once complete (temp file, rename).
-    """
-    from ffcv.fields import IntField, RGBImageField
-    from ffcv.writer import DatasetWriter
-
-    class Rows:  # the indexed dataset DatasetWriter reads: (HWC uint8 array, int label)
-        def __init__(self):
-            self.x, self.y = images.permute(0, 2, 3, 1).numpy(), labels.numpy()
-
-        def __len__(self):
-            return len(self.x)
-
-        def __getitem__(self, i):
-            return self.x[i], int(self.y[i])
-
-    raw = images.shape[-1] <= 64
-    field = RGBImageField(write_mode="raw") if raw else RGBImageField(write_mode="jpg", jpeg_quality=90)
-    folder = os.path.dirname(os.path.abspath(path))
-    refuse_special(path)
-    kept = "nothing was written" + (f", {path} is as it was" if os.path.lexists(path) else "")
-    need = images.numel() // (1 if raw else 4) + 2**20  # FFCV's writer hangs on a full disk: fail before it
-    try:
-        os.makedirs(folder, exist_ok=True)
-        free = shutil.disk_usage(folder).free
-    except OSError as e:
-        raise files.os_error(e, path, kept) from None
-    if free < need:
-        raise UserError(f"{folder} has {free / 2**20:.0f} MiB free; "
-                        f"the beton needs about {need / 2**20:.0f} MiB: {kept}")
-    tmp = None
-    previous = (signal.signal(signal.SIGTERM, interrupt)
-                if threading.current_thread() is threading.main_thread() else None)
-    try:  # FFCV's writer takes a file name: a fresh one (O_EXCL) beside path, renamed over it when complete
-        tmp = files.fresh_temp(path)
-        DatasetWriter(tmp, {"image": field, "label": IntField()},
-                      num_workers=num_workers).from_indexed_dataset(Rows())
-        digest = checksum(tmp)
-        files.commit(tmp, path)  # a link at path is replaced, never followed
-        tmp = None
-    except OSError as e:
-        raise files.os_error(e, path, kept) from None
-    finally:  # an error, Ctrl-C or SIGTERM leaves no temporary file behind
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.remove(tmp)
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
-    return digest
-
-
-def refuse_special(path):
-    """Refuse a target that is there and neither a regular file nor a link (a folder, /dev/full, a FIFO):
-    a file or a link there is replaced whole by the rename, a link never followed."""
-    if os.path.lexists(path) and not os.path.islink(path) and not files.is_regular(path):
-        raise UserError(f"{path} exists and is not a regular file")
-
-
-def interrupt(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
-def checksum(path):
-    """BLAKE2b of the whole file (about 1 s per GB): any changed byte, or another file under the name,
-    shows. Only a regular file is read (files.open_regular): a FIFO there raises OSError, never blocks."""
-    h = hashlib.blake2b(digest_size=16)
-    with files.open_regular(path) as f:
-        for block in iter(lambda: f.read(2**22), b""):
-            h.update(block)
-    return h.hexdigest()
+# The .beton cache of each (dataset, split, resolution): beton.py writes and verifies it
 
 
 def beton_file(origin, shapes_count):
     """A beton's file name from its provenance: it changes whenever the contents would."""
     name = f"{origin['dataset']}-{origin['split']}-{origin['image_size']}px"
-    if origin["dataset"] == "shapes":
+    reads = spec(origin["dataset"]).reads
+    if reads == "built-in":
         name += f"-n{shapes_count}"
-    if origin["dataset"] == "folder":  # the folder's path and its files' names, sizes and modification times
+    if reads == "folder":  # the folder's path and its files' names, sizes and modification times
         source = origin["source"].encode(errors="surrogateescape")  # a path of undecodable bytes too
         name += "-" + hashlib.blake2b(source, digest_size=6).hexdigest()
     return name + ".beton"
@@ -424,103 +351,17 @@ def beton_name(dataset, data_dir, image_size, shapes_count, train, listing=None)
 def beton_for(dataset, data_dir, image_size, beton_dir, shapes_count=SHAPES_COUNT, train=True):
     """-> (path of a finished .beton, num_classes), writing it first if it is not cached yet. The beton used
     is the one its .json describes (verify_beton), and that .json records the data asked for."""
-    listing = image_files(data_dir) if dataset == "folder" else None  # the one walk: named, then read
+    listing = image_files(data_dir) if spec(dataset).reads == "folder" else None  # the one walk
     origin = provenance(dataset, data_dir, image_size, shapes_count, train, listing)
     path = os.path.join(beton_dir, beton_file(origin, shapes_count))
-    meta = read_meta(path)
+    meta = beton.read_meta(path)
     if meta is None:
         images, labels, num_classes = load_dataset(dataset, data_dir, image_size, shapes_count, train,
                                                    listing)
         print(f"writing {path} ({len(images)} images)")
-        meta = write_verified_beton(images, labels, num_classes, path, origin)
-    verify_beton(path, meta, image_size, origin)
+        meta = beton.write_verified_beton(images, labels, num_classes, path, origin)
+    beton.verify_beton(path, meta, image_size, origin)
     return path, meta["num_classes"]
-
-
-def write_verified_beton(images, labels, num_classes, path, origin=None):
-    """A beton and its metadata, PATH.json: what it holds, what it was written from (`origin`, the split's
-    provenance()), and the file's size and checksum, which every use verifies. Any .json there is removed
-    first and the new one renamed into place last: a beton without it is rewritten. Both are created fresh
-    (a link at either name is replaced, never followed); a failed write is one UserError line and leaves
-    neither, nor any temporary file."""
-    meta_path = path + ".json"
-    refuse_special(path)
-    refuse_special(meta_path)
-    try:
-        os.remove(meta_path)
-    except FileNotFoundError:
-        pass
-    except OSError as e:
-        raise files.os_error(e, meta_path, "nothing was written") from None
-    meta = {"num_classes": num_classes, "images": len(images), "image_size": images.shape[-1]}
-    meta.update(origin or {})
-    meta["blake2b"] = write_beton(images, labels, path)
-    try:
-        meta["bytes"] = os.path.getsize(path)
-        with files.created(meta_path, "w", kept=f"{path} was removed: nothing was written") as f:
-            json.dump(meta, f)
-    except OSError as e:
-        remove_quietly(path)
-        raise files.os_error(e, path, "nothing was written") from None
-    except UserError:
-        remove_quietly(path)
-        raise
-    return meta
-
-
-def remove_quietly(path):
-    with contextlib.suppress(OSError):
-        os.remove(path)
-
-
-def read_meta(path):
-    """A cached beton's metadata, or None where the beton must be (re)written: either file missing, or
-    metadata from before checksums or provenance were recorded (said in a note line). The .json is read
-    only from a regular file of at most META_LIMIT bytes."""
-    if not (os.path.exists(path) and os.path.exists(path + ".json")):
-        return None
-    try:
-        with files.open_regular(path + ".json") as f:
-            text = f.read(META_LIMIT + 1)
-        if len(text) > META_LIMIT:
-            raise ValueError(f"over {META_LIMIT} bytes")
-        meta = json.loads(text)
-        if not isinstance(meta, dict):
-            raise ValueError("not a JSON object")
-        if "blake2b" in meta and not (isinstance(meta.get("num_classes"), int)
-                                      and isinstance(meta.get("bytes"), int)):
-            raise ValueError("no num_classes or bytes")
-    except (OSError, ValueError, RecursionError) as e:  # RecursionError: JSON nested thousands deep
-        raise UserError(f"cannot read {path}.json ({type(e).__name__}); "
-                        f"delete it and {path} to rewrite them") from None
-    if "blake2b" not in meta:
-        print(f"note: {path} has no checksum recorded (an older cache); rewriting it")
-        return None
-    if not all(k in meta for k in PROVENANCE):
-        print(f"note: {path} does not record the data it was written from (an older cache); rewriting it")
-        return None
-    return meta
-
-
-def verify_beton(path, meta, image_size, origin=None):
-    """The beton is the one its metadata describes: the data asked for (`origin`, provenance(); without it,
-    the resolution only), its size and every byte."""
-    asked = origin or {"image_size": image_size}
-    field = next((k for k in PROVENANCE if k in asked and meta.get(k) != asked[k]), None)
-    try:
-        problem = (f"holds {meta.get('image_size')}px images, not {image_size}px"
-                   if field == "image_size"
-                   else f"records {field} {meta.get(field)!r} in its .json, not {asked[field]!r} as asked"
-                   if field
-                   else f"is {os.path.getsize(path)} bytes, not the {meta['bytes']} written"
-                   if os.path.getsize(path) != meta.get("bytes")
-                   else "does not match the checksum recorded when it was written"
-                   if checksum(path) != meta["blake2b"]
-                   else None)
-    except OSError as e:
-        problem = f"cannot be read ({e.strerror or e})"
-    if problem:
-        raise UserError(f"{path} {problem} (corrupt or replaced): delete it and its .json to rewrite it")
 
 
 # -----------------------------------------------------------------------------
@@ -538,19 +379,9 @@ def epoch_plan(seed, epoch, n):
 
 
 def shard(order, n):
-    """This rank's share of an epoch's order under torch.distributed (all of it otherwise)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return order
-    rank, world = dist.get_rank(), dist.get_world_size()
-    return order[rank::world][: n // world]
-
-
-def world_size():
-    import torch.distributed as dist
-
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    """This rank's share of an epoch's order under torchrun (all of it otherwise)."""
+    rank, world = group.rank_world()
+    return order if world == 1 else order[rank::world][: n // world]
 
 
 def to_device(x, device):
@@ -575,8 +406,8 @@ class Loader:
 
     def _init_state(self, n, batch_size, seed, device, hflip, with_labels):
         # under torchrun each rank draws from its 1/world share of the images
-        if batch_size * world_size() > n:
-            raise UserError(f"the global batch of {batch_size * world_size()} images "
+        if batch_size * group.rank_world()[1] > n:
+            raise UserError(f"the global batch of {batch_size * group.rank_world()[1]} images "
                             f"exceeds the dataset's {n}")
         self.n, self.batch_size, self.seed, self.hflip, self.with_labels = (int(n), batch_size, seed, hflip,
                                                                             with_labels)
@@ -638,7 +469,7 @@ class FFCVLoader(Loader):
         if not stat.S_ISREG(os.stat(path).st_mode):  # FFCV would wait on a FIFO for ever
             raise UserError(f"{path} is not a regular file, not a beton")
         try:
-            with torch_threads_kept():
+            with beton.torch_threads_kept():
                 self.ffcv = self._open(path, batch_size, num_workers, device)
         except Exception as e:  # FFCV's own errors on a damaged file are assertions and index errors
             raise UserError(f"cannot read the beton {path} ({type(e).__name__}: {e}); "
@@ -667,7 +498,7 @@ class FFCVLoader(Loader):
             drop_last=True, os_cache=True,
             # FFCV's distributed mode, under DDP; its per-rank order (a DistributedSampler's) is then replaced
             # by ours, data.shard, which gives every world size the same global batches
-            distributed=torch.distributed.is_available() and torch.distributed.is_initialized(),
+            distributed=group.joined(),
             pipelines={
                 "image": [SimpleRGBImageDecoder(), ToTensor(), ToDevice(device, non_blocking=on_gpu),
                           ToTorchImage(channels_last=True)],
@@ -678,7 +509,7 @@ class FFCVLoader(Loader):
     def _start_epoch(self):
         super()._start_epoch()
         self.ffcv.next_epoch = self.epoch
-        with torch_threads_kept():
+        with beton.torch_threads_kept():
             self.batches = iter(self.ffcv)
         for _ in range(self.index // self.batch_size):  # resuming mid-epoch: skip what was already seen
             next(self.batches)
@@ -707,7 +538,7 @@ def make_loader(kind, dataset, data_dir, image_size, batch_size, seed, device, *
     """-> (loader, num_classes). kind 'ffcv' reads a cached .beton; 'torch', or 'ffcv' when ffcv cannot
     be imported (said in one warning line), gathers from uint8 tensors in memory; 'resident' keeps
     them on the device."""
-    if kind == "ffcv" and not ffcv_available():
+    if kind == "ffcv" and not beton.ffcv_available():
         print("warning: ffcv cannot be imported (see README: make setup); using the torch loader instead")
         kind = "torch"
     if kind == "ffcv":
@@ -726,7 +557,7 @@ def main(argv=None):
     import argparse
 
     p = argparse.ArgumentParser(description="Write an FFCV .beton file (with its verified metadata).")
-    p.add_argument("--dataset", choices=["cifar10", "folder", "shapes"], default="cifar10")
+    p.add_argument("--dataset", choices=list(DATASETS), default="cifar10")
     p.add_argument("--data_dir", default="data", help="download folder (cifar10) or image folder (folder)")
     p.add_argument("--image_size", type=int, default=32,
                    help="pixels; images are resized and centre-cropped to it")
@@ -740,17 +571,17 @@ def main(argv=None):
             if getattr(args, name) < 1:
                 raise UserError(f"--{name} {getattr(args, name)}: must be >= 1")
         if args.out:
-            if not ffcv_available():
+            if not beton.ffcv_available():
                 raise UserError("ffcv cannot be imported: run make setup "
                                 "(it needs libturbojpeg0-dev libopencv-dev pkg-config)")
-            refuse_special(args.out)  # before loading any data
+            beton.refuse_special(args.out)  # before loading any data
             train = args.split == "train"
-            listing = image_files(args.data_dir) if args.dataset == "folder" else None  # the one walk
+            listing = image_files(args.data_dir) if DATASETS[args.dataset].reads == "folder" else None
             origin = provenance(args.dataset, args.data_dir, args.image_size, args.shapes_count, train,
                                 listing)
             images, labels, num_classes = load_dataset(args.dataset, args.data_dir, args.image_size,
                                                        args.shapes_count, train, listing)
-            write_verified_beton(images, labels, num_classes, args.out, origin)
+            beton.write_verified_beton(images, labels, num_classes, args.out, origin)
             print(f"wrote {args.out} and {args.out}.json: {len(images)} images, {args.image_size}px")
         else:
             raise UserError("give --out PATH.beton, the beton to write")

@@ -7,22 +7,21 @@
     python ddpm.py --help                           # every field with its default and meaning
 
 This file holds the method, in four numbered sections read top to bottom: 1. the two configs with their
-ranges, presets and CLI; 2. the diffusion maths (Diffusion: schedule, loss, bits/dim) and the samplers, one
-function each in the SAMPLERS table; 3. build() and the train step, shared with benchmark.py; 4. the training
-loop. The machinery sits beside it: runs.py (device, torchrun, run folder, checkpoints, preemption), mfu.py
-(FLOP counting, peaks, timing), data.py, evaluate.py (FID, bits/dim), diffusers_io.py, and unet.py, the
-network, which knows nothing of the noise schedule.
+ranges, presets and CLI; 2. the diffusion maths (Diffusion: the forward process and the loss), sample() and
+the samplers, one function each in the SAMPLERS table; 3. build() and the one training iteration that
+benchmark.py measures too; 4. the training loop. The machinery sits beside it (README.md's file table):
+runs.py (the run folder, devices, preemption), checkpoints.py, group.py (torchrun), cli.py, mfu.py (FLOPs,
+peaks, timing), data.py and beton.py, evaluate.py and fid.py, diffusers_io.py, and unet.py, the network,
+which knows nothing of the noise schedule.
 
 Measured (2026-12-03, torch 2.14.1): the demo preset learns recognisable 16x16 shapes in 1 min 45 s on
 2 AVX512-BF16 CPU cores (bf16, 375 img/s). No GPU figures yet: BENCHMARKS.md.
 """
 import contextlib
 import copy
-import dataclasses
-import inspect
+import functools
 import math
 import os
-import re
 import statistics
 import sys
 import time
@@ -32,13 +31,17 @@ from typing import Literal
 
 import torch
 
+import checkpoints
+import cli
 import data
 import diffusers_io
 import evaluate
+import group
 import mfu
 import runs
 import unet
 from data import make_loader
+from cli import chosen, ranged
 from errors import RUN_STOPPED, UserError, first_line, reported
 from unet import UNet
 
@@ -47,57 +50,47 @@ from unet import UNet
 # override fields; the CLI and --help are generated from these fields and their comments.
 
 
-def ranged(default, lo, hi=None):
-    """A numeric field whose value must lie in [lo, hi) (hi None: no upper bound); validate() checks it."""
-    return dataclasses.field(default=default, metadata={"range": (lo, hi)})
-
-
-def chosen(default, table):
-    """A field whose value is a key of `table`, looked up when checked: a sampler registered later counts."""
-    return dataclasses.field(default=default, metadata={"choices": table})
-
-
 SAMPLERS = {}  # sampler name -> Sampler; section 2 fills it (@sampler), and TrainerConfig.sampler reads it
 
 
 @dataclass
 class ModelConfig:  # the network and the diffusion process
-    image_size: int = ranged(32, 1)                     # training resolution in pixels (square)
-    channels: int = ranged(3, 1)                        # image channels
-    patch_size: int = ranged(1, 1)                      # P: fold PxP patches into channels
-                                                        # (Luhman & Luhman 2022); 1 = off
+    image_size: int = ranged(32, 1, 8193)               # training resolution in pixels (square)
+    channels: int = ranged(3, 1, 65)                    # image channels
+    patch_size: int = ranged(1, 1, 65)                  # P: fold PxP patches into channels (Luhman & Luhman
+                                                        # 2022); 1 = off
     pos_emb: bool = False                               # add a fixed 2D sinusoidal position embedding after
                                                         # the input conv
-    base_channels: int = ranged(128, 4)                 # width of the first UNet level
-    channel_mult: tuple[float, ...] = (1, 2, 2, 2)      # width multiplier per level
-                                                        # (width = int(base x mult)); one level per entry
-    num_res_blocks: int = ranged(2, 1)                  # residual blocks per level on the way down
+    base_channels: int = ranged(128, 4, 8193)           # width of the first UNet level
+    channel_mult: tuple[float, ...] = (1, 2, 2, 2)      # width multiplier per level (width = int(base x
+                                                        # mult)); one level per entry
+    num_res_blocks: int = ranged(2, 1, 65)              # residual blocks per level on the way down
     attn_resolutions: tuple[int, ...] = (16,)           # resolutions of the patched grid that get
                                                         # self-attention
-    attn_heads: int = ranged(1, 0)                      # attention heads; 0 = as many as the block's width
-                                                        # / attn_head_dim
-    attn_head_dim: int = ranged(0, 0)                   # channels per head; 0 = the block's width
-                                                        # / attn_heads
+    attn_heads: int = ranged(1, 0, 1025)                # attention heads; 0 = as many as the block's width /
+                                                        # attn_head_dim
+    attn_head_dim: int = ranged(0, 0, 8193)             # channels per head; 0 = the block's width /
+                                                        # attn_heads
     dropout: float = ranged(0.1, 0, 1)                  # dropout in the residual blocks
-    num_classes: int = ranged(0, 0)                     # class-conditional with this many classes;
-                                                        # 0 = unconditional
-    p_uncond: float = ranged(0.1, 0, 1)                 # probability of dropping the label in training
-                                                        # (for guidance)
-    prediction: Literal["eps", "x", "v"] = "eps"        # network output: noise eps, clean image x,
-                                                        # or v = sqrt(ab)eps - sqrt(1-ab)x
-    schedule: Literal["linear", "cosine"] = "linear"    # beta_t schedule: Ho et al. linear,
-                                                        # or Nichol & Dhariwal cosine
-    timesteps: int = ranged(1000, 2)                    # T, number of diffusion steps
+    num_classes: int = ranged(0, 0, 10**6)              # class-conditional with this many classes; 0 =
+                                                        # unconditional
+    p_uncond: float = ranged(0.1, 0, 1)                 # probability of dropping the label in training (for
+                                                        # guidance)
+    prediction: Literal["eps", "x", "v"] = "eps"        # network output: noise eps, clean image x, or v =
+                                                        # sqrt(ab)eps - sqrt(1-ab)x
+    schedule: Literal["linear", "cosine"] = "linear"    # beta_t schedule: Ho et al. linear, or Nichol &
+                                                        # Dhariwal cosine
+    timesteps: int = ranged(1000, 2, 10**5)             # T, number of diffusion steps
     beta_start: float = ranged(1e-4, 0, 1)              # beta_1 of the linear schedule
     beta_end: float = ranged(0.02, 0, 1)                # beta_T of the linear schedule
-    loss_weighting: Literal["none", "sqrt_snr", "min_snr"] = "none"  # none = MSE on the target;
-                                                        # sqrt_snr / min_snr: see Diffusion._loss_weight
-    min_snr_gamma: float = ranged(5.0, 1e-12)           # gamma of the min_snr weighting (Hang et al. 2023)
-    reverse_variance: Literal["large", "small"] = "large"  # sigma_t^2 of ancestral sampling:
-                                                        # large = beta_t, small = posterior beta~_t
+    loss_weighting: Literal["none", "sqrt_snr", "min_snr"] = "none"  # none = MSE on the target; sqrt_snr /
+                                                        # min_snr: see Diffusion._loss_weight
+    min_snr_gamma: float = ranged(5.0, 1e-12, 1e4)      # gamma of the min_snr weighting (Hang et al. 2023)
+    reverse_variance: Literal["large", "small"] = "large"  # sigma_t^2 of ancestral sampling: large = beta_t,
+                                                        # small = posterior beta~_t
     split_timestep: int = ranged(0, 0)                  # model splitting (Luhman & Luhman §3.3): experts for
                                                         # t < S and t >= S; 0 = one model
-    split_snr: float = ranged(0.0, 0)                   # alternative to split_timestep: S = first t with
+    split_snr: float = ranged(0.0, 0, 1e6)              # alternative to split_timestep: S = first t with
                                                         # SNR(t) < split_snr (paper: 0.25); 0 = unused
     split_part: Literal["low", "high"] = "low"          # which expert this model is: 'low' trains t < S,
                                                         # 'high' t >= S
@@ -105,49 +98,49 @@ class ModelConfig:  # the network and the diffusion process
 
 @dataclass
 class TrainerConfig:  # the run
-    dataset: Literal["cifar10", "folder", "shapes"] = "cifar10"  # training data; 'shapes' is built in
-                                                        # and offline
+    dataset: str = chosen("cifar10", data.DATASETS)     # training data (the data.DATASETS table); 'shapes' is
+                                                        # built in and offline
     data_dir: str = "data"                              # download folder ('cifar10') or the image folder
                                                         # ('folder')
-    shapes_count: int = ranged(data.SHAPES_COUNT, 1)    # images in the built-in 'shapes' dataset
+    shapes_count: int = ranged(data.SHAPES_COUNT, 1, 10**7)  # images in the built-in 'shapes' dataset
     loader: Literal["ffcv", "torch", "resident"] = "ffcv"  # FFCV from a cached .beton; gathers from uint8
                                                         # tensors in host memory; or on the device
     beton_dir: str = data.BETON_DIR                     # where .beton files are written once and reused
     fid_stats_dir: str = "data/fid_stats"               # where the training set's FID reference statistics
                                                         # are cached
-    num_workers: int = ranged(2, 1)                     # FFCV loader threads
-    batch_size: int = ranged(128, 1)                    # global batch size, images per optimizer step
-    grad_accum_steps: int = ranged(1, 1)                # micro-batches per optimizer step and rank
-                                                        # (the batch is split, not grown)
-    max_steps: int = ranged(800_000, 0)                 # optimizer steps to train for
-    lr: float = ranged(2e-4, 0)                         # peak AdamW learning rate
-    warmup_steps: int = ranged(5000, 0)                 # linear LR warm-up, in steps; 0 = none
+    num_workers: int = ranged(2, 1, 257)                # FFCV loader threads
+    batch_size: int = ranged(128, 1, 2**20)             # global batch size, images per optimizer step
+    grad_accum_steps: int = ranged(1, 1, 4097)          # micro-batches per optimizer step and rank (the batch
+                                                        # is split, not grown)
+    max_steps: int = ranged(800_000, 0, 10**10)         # optimizer steps to train for
+    lr: float = ranged(2e-4, 0, 1)                      # peak AdamW learning rate
+    warmup_steps: int = ranged(5000, 0, 10**9)          # linear LR warm-up, in steps; 0 = none
     lr_schedule: Literal["constant", "cosine"] = "constant"  # after warm-up: hold the LR, or cosine-decay it
                                                         # to 0 at max_steps
-    weight_decay: float = ranged(0.0, 0)                # AdamW decoupled weight decay
+    weight_decay: float = ranged(0.0, 0, 100)           # AdamW decoupled weight decay
     adam_beta1: float = ranged(0.9, 0, 1)               # AdamW beta1
     adam_beta2: float = ranged(0.999, 0, 1)             # AdamW beta2
-    grad_clip: float = ranged(1.0, 0)                   # max global gradient norm; 0 = no clipping
-    max_nonfinite_steps: int = ranged(20, 1)            # steps with a non-finite loss or gradient are
+    grad_clip: float = ranged(1.0, 0, 1e6)              # max global gradient norm; 0 = no clipping
+    max_nonfinite_steps: int = ranged(20, 1, 10**6)     # steps with a non-finite loss or gradient are
                                                         # skipped; stop after this many in a row
     ema_decay: float = ranged(0.9999, 0, 1)             # EMA of the weights, per step; 0 = the EMA is a copy
                                                         # of the model
-    ema_warmup: bool = True                             # ramp the EMA decay as
-                                                        # min(ema_decay, (1+step)/(10+step))
+    ema_warmup: bool = True                             # ramp the EMA decay as min(ema_decay,
+                                                        # (1+step)/(10+step))
     hflip: bool = True                                  # random horizontal flips
     precision: Literal["auto", "bf16", "fp16", "tf32", "fp32"] = "auto"  # bf16 / fp16 (+ loss scaling)
                                                         # autocast, fp32 with TF32, true fp32; auto = bf16
                                                         # where the hardware has it, fp16 on older GPUs
-    compile: Literal["auto", "true", "false"] = "auto"  # torch.compile the network; auto = on a GPU, not on
-                                                        # a CPU (minutes to compile, slower there)
+    compile: Literal["auto", "true", "false"] = "auto"  # torch.compile the network; auto = on a GPU, not on a
+                                                        # CPU (minutes to compile, slower there)
     compile_mode: Literal["default", "max-autotune", "reduce-overhead"] = "default"  # torch.compile mode;
                                                         # reduce-overhead = CUDA graphs
-    channels_last: Literal["auto", "true", "false"] = "auto"  # NHWC activations and weights; auto = true,
-                                                        # but NCHW for bf16 on a CPU, eager bf16/fp16 on GPUs
-    cpu_threads: int = ranged(0, 0)                     # CPU: intra-op threads for the step; 0 = torch's
+    channels_last: Literal["auto", "true", "false"] = "auto"  # NHWC activations and weights; auto = true, but
+                                                        # NCHW for bf16 on a CPU, eager bf16/fp16 on GPUs
+    cpu_threads: int = ranged(0, 0, 1025)               # CPU: intra-op threads for the step; 0 = torch's
                                                         # default (one per core)
-    attention: Literal["sdpa", "math"] = "sdpa"         # attention kernel: F.scaled_dot_product_attention,
-                                                        # or explicit softmax
+    attention: Literal["sdpa", "math"] = "sdpa"         # attention kernel: F.scaled_dot_product_attention, or
+                                                        # explicit softmax
     activation_checkpointing: bool = False              # recompute each residual/attention block in the
                                                         # backward pass: less memory, ~1 more forward
     out_dir: str = ""                                   # run folder; '' = runs/<preset>-<date>-<time>
@@ -156,26 +149,29 @@ class TrainerConfig:  # the run
                                                         # checkpoint's, from a new epoch plan; else refused
     init_from: str = ""                                 # start model and EMA weights from this checkpoint
                                                         # (e.g. the other expert's); '' = fresh
-    log_every_steps: int = ranged(100, 1)               # steps between metrics.jsonl lines (each is a
+    log_every_steps: int = ranged(100, 1, 10**9)        # steps between metrics.jsonl lines (each is a
                                                         # GPU->CPU sync)
-    log_to: Literal["none", "tensorboard", "wandb", "tensorboard,wandb"] = "none"  # trackers that also
-                                                        # get every metrics row, grid and the config
+    log_to: Literal["none", "tensorboard", "wandb", "tensorboard,wandb"] = "none"  # trackers that also get
+                                                        # every metrics row, grid and the config
                                                         # (runs.Trackers)
-    sample_every_steps: int = ranged(10_000, 0)         # steps between EMA sample grids; 0 = only at the end
-    ckpt_every_steps: int = ranged(5000, 0)             # steps between checkpoints; 0 = only at the end
-    num_samples: int = ranged(64, 0)                    # images per sample grid
+    sample_every_steps: int = ranged(10_000, 0, 10**9)  # steps between EMA sample grids; 0 = only at the end
+    ckpt_every_steps: int = ranged(5000, 0, 10**9)      # steps between checkpoints; 0 = only at the end
+    num_samples: int = ranged(64, 0, 65537)             # images per sample grid
     sampler: str = chosen("ddpm", SAMPLERS)             # sampler for the grids (the SAMPLERS table)
     sample_steps: int = ranged(0, 0)                    # sampler steps for the grids; 0 = all T
-    guidance: float = ranged(1.0, 0)                    # classifier-free guidance weight w for the grids
-                                                        # and the FID samples; 1 = none
+    eta: float = ranged(0.0, 0, 1)                      # the noise of a sampler that takes it (DDIM's eta: 0
+                                                        # = deterministic) for the grids and FID samples
+    guidance: float = ranged(1.0, 0, 100)               # classifier-free guidance weight w for the grids and
+                                                        # the FID samples; 1 = none
     threshold: Literal["static", "dynamic", "none"] = "static"  # x0 clipping when sampling: static [-1, 1],
                                                         # dynamic (Saharia et al. 2022, p99.5), none
-    eval_every_steps: int = ranged(0, 0)                # steps between evaluations (FID, bits/dim) logged to
+    eval_every_steps: int = ranged(0, 0, 10**9)         # steps between evaluations (FID, bits/dim) logged to
                                                         # metrics.jsonl; 0 = never
-    eval_fid_samples: int = ranged(5000, 0)             # EMA samples for that FID, against the training set
+    eval_fid_samples: int = ranged(5000, 0, 10**6)      # EMA samples for that FID, against the training set
                                                         # (torch-fidelity); 0 = no FID
-    eval_sample_steps: int = ranged(20, 1)              # DPM-Solver++ steps for those samples
-    eval_bpd_images: int = ranged(1000, 0)              # held-out images for bits/dim (the test split;
+    eval_sampler: str = chosen("dpm++", SAMPLERS)       # sampler for those samples
+    eval_sample_steps: int = ranged(20, 1)              # its steps
+    eval_bpd_images: int = ranged(1000, 0, 10**6)       # held-out images for bits/dim (the test split;
                                                         # 'folder': its own images); 0 = none
     eval_bpd_strata: int = ranged(8, 1)                 # bits/dim estimated from 2 x strata + 1 network calls
                                                         # (evaluate.bpd_estimate)
@@ -229,43 +225,14 @@ PRESETS = {
 }
 
 
-def field_comments(cls):
-    """The '# ...' comment of each dataclass field, with the comment-only lines under it: the source of
-    --help."""
-    comments, name = {}, None
-    for line in inspect.getsource(cls).splitlines():
-        field = re.match(r"^\s+(\w+):[^#\n]*#\s*(.*)$", line)
-        more = re.match(r"^\s+#\s*(.*)$", line)
-        if field:
-            name, comments[field.group(1)] = field.group(1), field.group(2)
-        elif more and name:
-            comments[name] += " " + more.group(1)
-        else:
-            name = None
-    return comments
-
-def parse_value(name, text, typ):
-    """Convert one CLI string to a field's type, or raise UserError naming the field."""
-    truthy, falsy = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-    try:
-        if typing.get_origin(typ) is Literal:
-            choices = typing.get_args(typ)
-            # e.g. channels_last: auto, true or false
-            if "true" in choices and text.lower() in truthy + falsy:
-                text = "true" if text.lower() in truthy else "false"
-            if text not in choices:
-                raise ValueError(f"choose one of {', '.join(choices)}")
-            return text
-        if typ is bool:
-            if text.lower() not in truthy + falsy:
-                raise ValueError("expected true or false")
-            return text.lower() in truthy
-        if typing.get_origin(typ) is tuple:
-            item = typing.get_args(typ)[0]  # tuple[int, ...] or tuple[float, ...]
-            return tuple(item(v) for v in text.split(",") if v.strip())
-        return typ(text)
-    except ValueError as e:
-        raise UserError(f"--{name}={text}: {e}") from None
+def parse_args(argv):
+    """-> (ModelConfig, TrainerConfig, preset name). Flat: every field is --name=value (cli.py)."""
+    classes = (ModelConfig, TrainerConfig)
+    fields, preset = cli.flat_args(argv, classes, __doc__.split("\n\n")[1], PRESETS, default_preset="ho")
+    overrides = {**PRESETS[preset], **fields}
+    mc, tc = (cls(**{k: v for k, v in overrides.items() if k in cls.__dataclass_fields__}) for cls in classes)
+    validate(mc, tc)
+    return mc, tc, preset
 
 
 def validate(mc, tc=None):
@@ -277,26 +244,15 @@ def validate(mc, tc=None):
             raise UserError(msg)
 
     for cfg in (mc, tc) if tc is not None else (mc,):
-        hints = typing.get_type_hints(type(cfg))
-        for f in dataclasses.fields(cfg):
-            v = getattr(cfg, f.name)
-            choices = (typing.get_args(hints[f.name]) if typing.get_origin(hints[f.name]) is Literal
-                       else f.metadata.get("choices"))
-            if choices is not None:  # Literal fields set from Python rather than the CLI, and table keys
-                check(v in choices, f"{f.name}='{v}': choose one of {', '.join(choices)}")
-            if "range" in f.metadata:  # every number in range, NaN and inf included
-                lo, hi = f.metadata["range"]
-                check(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-                      and lo <= v and (hi is None or v < hi),
-                      f"{f.name}={v}: must be " + (f">= {lo}" if hi is None else f"in [{lo}, {hi})"))
+        cli.check_fields(cfg)  # each field's choices and range, as declared beside it
     check(0 <= mc.split_timestep < mc.timesteps, f"split_timestep must lie in [0, timesteps={mc.timesteps})")
     check(not (mc.split_timestep and mc.split_snr), "give split_timestep or split_snr, not both")
     try:
         split_timestep(mc)
     except ValueError as e:
         raise UserError(str(e)) from None
-    check(len(mc.channel_mult) >= 1 and all(math.isfinite(m) and m > 0 for m in mc.channel_mult),
-          "channel_mult needs one or more positive entries")
+    check(1 <= len(mc.channel_mult) <= 16 and all(math.isfinite(m) and 0 < m <= 64 for m in mc.channel_mult),
+          "channel_mult needs 1 to 16 entries, each in (0, 64]")
     levels = len(mc.channel_mult)
     factor = mc.patch_size * 2 ** (levels - 1)
     check(mc.image_size % factor == 0,
@@ -324,55 +280,13 @@ def validate(mc, tc=None):
     check(1 <= tc.eval_bpd_strata <= mc.timesteps - 1,
           f"eval_bpd_strata must lie in [1, timesteps-1={mc.timesteps - 1}]")
     check(tc.eval_fid_samples != 1, "eval_fid_samples must be 0 or >= 2 (a covariance needs two samples)")
+    check(not tc.eta or any(SAMPLERS[s].eta is not None for s in (tc.sampler, tc.eval_sampler)),
+          f"eta {tc.eta}: neither sampler ({tc.sampler}, eval_sampler {tc.eval_sampler}) takes an eta")
     check(tc.batch_size % tc.grad_accum_steps == 0,
           f"batch_size {tc.batch_size} does not divide into grad_accum_steps={tc.grad_accum_steps} "
           "micro-batches")
 
 
-def parse_args(argv):
-    """-> (ModelConfig, TrainerConfig, preset name). Flat: every field is --name=value."""
-    hints = {**typing.get_type_hints(ModelConfig), **typing.get_type_hints(TrainerConfig)}
-    args, preset = [], "ho"
-    it = iter(argv)
-    for a in it:
-        if a in ("-h", "--help"):
-            print_help()
-            sys.exit(0)
-        if not a.startswith("--"):
-            raise UserError(f"unexpected argument '{a}'; fields are given as --name=value")
-        name, eq, text = a[2:].partition("=")
-        flag = hints.get(name) is bool or "true" in typing.get_args(hints.get(name))  # takes a bare --name
-        if not eq and not flag:  # '--name value'; a bare '--flag' means true
-            text = next(it, None)
-            if text is None:
-                raise UserError(f"--{name} needs a value")
-        if name == "preset":
-            preset = text
-        else:
-            args.append((name, text if eq or not flag else "true"))
-    if preset not in PRESETS:
-        raise UserError(f"unknown preset '{preset}'; choose one of {', '.join(PRESETS)}")
-    overrides = dict(PRESETS[preset])
-    for name, text in args:
-        if name not in hints:
-            raise UserError(f"unknown field --{name} (see --help)")
-        overrides[name] = parse_value(name, text, hints[name])
-    mc = ModelConfig(**{k: v for k, v in overrides.items() if k in ModelConfig.__dataclass_fields__})
-    tc = TrainerConfig(**{k: v for k, v in overrides.items() if k in TrainerConfig.__dataclass_fields__})
-    validate(mc, tc)
-    return mc, tc, preset
-
-
-def print_help():
-    print(__doc__.split("\n\n")[1])
-    print(f"--preset=NAME  one of: {', '.join(PRESETS)} (default ho); later --fields override it\n")
-    for cls in (ModelConfig, TrainerConfig):
-        print(f"{cls.__name__}:")
-        comments = field_comments(cls)
-        for f in dataclasses.fields(cls):
-            default = f.default if not isinstance(f.default, tuple) else ",".join(map(str, f.default))
-            print(f"  {f'--{f.name}={default}':<34} {comments.get(f.name, '')}")
-        print()
 # -----------------------------------------------------------------------------
 # 2. The diffusion process. Notation of Ho et al. 2020: t = 0..T-1 here is the paper's t = 1..T
 # (t = 0 the least noisy); alpha_bar[t] is the paper's ᾱ_t = prod_{s<=t} (1 - β_s).
@@ -597,37 +511,6 @@ class Diffusion(torch.nn.Module):
         out_c, out_u = model(torch.cat([z, z]), torch.cat([t, t]), torch.cat([y, null])).float().chunk(2)
         return out_u + guidance * (out_c - out_u)
 
-    @torch.no_grad()
-    def sample(self, model, shape, *, sampler="ddpm", steps=None, y=None, guidance=1.0, generator=None,
-               eta=0.0, threshold="static", percentile=0.995, noise=None, capture=None):
-        """Draw images in [-1, 1] of `shape` = (B, C, H, W), starting from z_T ~ N(0, I), with a sampler of
-        the SAMPLERS table (below) on `steps` timesteps spaced as that sampler wants (all T when None).
-
-        The sampler sees the network only through denoise(z_t, t) -> (x̂₀, ε̂), with classifier-free
-        guidance and `threshold` applied (guided, predict_x0_eps), and ends on x̂₀ at t = 0. `generator` (any
-        device) or noise(shape) (sample.py: each image from its own generator) draws the noise. capture(step)
-        may wrap that step (t a (B,) tensor): sample.py compiles it whole, as CUDA graphs on a GPU.
-        """
-        if sampler not in SAMPLERS:
-            raise ValueError(f"unknown sampler '{sampler}'; choose one of {', '.join(SAMPLERS)}")
-        device = self.alpha_bar.device
-        gen_device = generator.device if generator is not None else device
-
-        def draw():
-            z = noise(shape) if noise else torch.randn(shape, generator=generator, device=gen_device)
-            return z.to(device)
-
-        def step(z, tt):
-            return self.predict_x0_eps(self.guided(model, z, tt, y, guidance), z, tt, threshold, percentile)
-        step = capture(step) if capture else step
-
-        def denoise(z, t):
-            return step(z, torch.full((shape[0],), t, device=device, dtype=torch.long))
-
-        spec = SAMPLERS[sampler]
-        ts = self.timestep_sequence(steps, spacing=spec.spacing)
-        return spec.run(self, denoise, draw(), ts, draw, eta).clamp(-1, 1)
-
 
 def dynamic_threshold(x0, percentile=0.995):
     """Saharia et al. 2022 §2.3: s = max(1, quantile_p |x̂₀|) per sample; x̂₀ <- clip(x̂₀, -s, s) / s."""
@@ -636,13 +519,47 @@ def dynamic_threshold(x0, percentile=0.995):
     return torch.maximum(torch.minimum(x0, s), -s) / s
 
 
+@torch.no_grad()
+def sample(d, model, shape, *, sampler="ddpm", steps=None, y=None, guidance=1.0, generator=None,
+           eta=0.0, threshold="static", percentile=0.995, noise=None, capture=None):
+    """Draw images in [-1, 1] of `shape` = (B, C, H, W) from the Diffusion d's reverse process, starting from
+    z_T ~ N(0, I), with a sampler of the SAMPLERS table (below) on `steps` timesteps spaced as that sampler
+    wants (all T when None).
+
+    The sampler sees the network only through denoise(z_t, t) -> (x̂₀, ε̂), with classifier-free
+    guidance and `threshold` applied (guided, predict_x0_eps), and ends on x̂₀ at t = 0. `generator` (any
+    device) or noise(shape) (sample.py: each image from its own generator) draws the noise. capture(step)
+    may wrap that step (t a (B,) tensor): sample.py compiles it whole, as CUDA graphs on a GPU.
+    """
+    if sampler not in SAMPLERS:
+        raise ValueError(f"unknown sampler '{sampler}'; choose one of {', '.join(SAMPLERS)}")
+    device = d.alpha_bar.device
+    gen_device = generator.device if generator is not None else device
+
+    def draw():
+        z = noise(shape) if noise else torch.randn(shape, generator=generator, device=gen_device)
+        return z.to(device)
+
+    def step(z, tt):
+        return d.predict_x0_eps(d.guided(model, z, tt, y, guidance), z, tt, threshold, percentile)
+    step = capture(step) if capture else step
+
+    def denoise(z, t):
+        return step(z, torch.full((shape[0],), t, device=device, dtype=torch.long))
+
+    spec = SAMPLERS[sampler]
+    ts = d.timestep_sequence(steps, spacing=spec.spacing)
+    return spec.run(d, denoise, draw(), ts, draw, eta).clamp(-1, 1)
+
+
 # -----------------------------------------------------------------------------
 # The samplers. Each is one function of the same signature, registered in SAMPLERS by @sampler; the table
 # gives TrainerConfig.sampler and sample.py --sampler their choices and README.md its sampler table:
 #   run(d, denoise, z, ts, noise, eta) -> x̂₀
 # d: the Diffusion (its ᾱ_t, q_posterior, cfg); denoise(z_t, t) -> (x̂₀, ε̂) at an int timestep t; z: z_T;
-# ts: descending timesteps from the sampler's spacing; noise(): fresh N(0, I) draws of z's shape; eta: DDIM's
-# noise (the others ignore it). Adding a sampler is one function with @sampler.
+# ts: descending timesteps from the sampler's spacing; noise(): fresh N(0, I) draws of z's shape; eta: the
+# noise of a sampler that takes one (DDIM; the others ignore it). Adding a sampler is one function with
+# @sampler, which gives its default steps and eta.
 
 
 @dataclass(frozen=True)
@@ -650,12 +567,14 @@ class Sampler:
     run: typing.Callable   # run(d, denoise, z, ts, noise, eta) -> x̂₀
     spacing: str           # its timesteps, as Diffusion.timestep_sequence spaces them: time, logsnr, karras
     summary: str           # one line, for --help and README.md's table (the function's docstring's first)
+    steps: int             # its default steps (0 = all T): sample.py's when it is not the run's sampler
+    eta: float | None      # its default eta, None if it takes none
 
 
-def sampler(name, spacing="time"):
-    """Register the decorated function in SAMPLERS under `name`."""
+def sampler(name, spacing="time", steps=0, eta=None):
+    """Register the decorated function in SAMPLERS under `name`, with its default steps and eta."""
     def register(run):
-        SAMPLERS[name] = Sampler(run, spacing, (run.__doc__ or name).strip().splitlines()[0])
+        SAMPLERS[name] = Sampler(run, spacing, (run.__doc__ or name).strip().splitlines()[0], steps, eta)
         return run
     return register
 
@@ -682,7 +601,7 @@ def ddpm_ancestral(d, denoise, z, ts, noise, eta):
         z = mean + var**0.5 * noise()
 
 
-@sampler("ddim")
+@sampler("ddim", steps=50, eta=0.0)  # Song et al.'s 50 steps, deterministic
 def ddim(d, denoise, z, ts, noise, eta):
     """DDIM (Song et al. 2021 eq. 12) on evenly spaced steps; deterministic at eta = 0.
 
@@ -699,7 +618,7 @@ def ddim(d, denoise, z, ts, noise, eta):
             z = z + sigma * noise()
 
 
-@sampler("dpm++", spacing="logsnr")
+@sampler("dpm++", spacing="logsnr", steps=20)  # Lu et al.: good images at 20 steps
 def dpm_solver_pp_2m(d, denoise, z, ts, noise, eta):
     """DPM-Solver++(2M) (Lu et al. 2022, Algorithm 2) on steps evenly spaced in log-SNR.
 
@@ -719,7 +638,7 @@ def dpm_solver_pp_2m(d, denoise, z, ts, noise, eta):
         x0_prev, h_prev = x0, h
 
 
-@sampler("heun", spacing="karras")
+@sampler("heun", spacing="karras", steps=18)  # Karras et al.'s CIFAR-10: 35 evaluations
 def heun(d, denoise, z, ts, noise, eta):
     """Heun's 2nd-order ODE solver (Karras et al. 2022 Algorithm 1, no churn): 2 network calls a step.
 
@@ -849,7 +768,7 @@ def train_step(model, diffusion, opt, x0, y, precision, grad_clip, shard=(0, 1),
     ok = (torch.isfinite(loss) & torch.isfinite(grad_norm)).float()
     # DDP already agrees on the gradients; this also covers a loss that is inf on one rank only
     if shard[1] > 1:
-        torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN)
+        group.all_agree(ok)
     if opt.defaults.get("fused"):
         opt.found_inf = 1 - ok
         opt.step()
@@ -914,7 +833,7 @@ def load_ema(path, device):
         for note in notes:
             print(f"note: {note}")
         return model.to(device).eval().requires_grad_(False), mc, {}
-    ckpt = runs.load_checkpoint(path, device)
+    ckpt = checkpoints.load_checkpoint(path, device)
     try:
         fields = {k: tuple(v) if isinstance(v, list) else v for k, v in ckpt["model_config"].items()}
         state = ckpt["ema"]
@@ -953,7 +872,7 @@ class Run:  # what train() sets up before its loop
 
 def data_settings(mc, tc):
     """What defines the run's training data: recorded in ckpt.pt, compared by --resume."""
-    folder = tc.dataset != "shapes"
+    folder = data.DATASETS[tc.dataset].reads != "built-in"
     return {"dataset": tc.dataset, "data_dir": os.path.abspath(tc.data_dir) if folder else None,
             "shapes_count": None if folder else tc.shapes_count, "image_size": mc.image_size}
 
@@ -964,6 +883,8 @@ def set_up(mc, tc, preset):
     validate(mc, tc)  # as parse_args does, for configs built in Python
     rank, world, device = runs.distributed_setup(tc)
     say = print if rank == 0 else (lambda *args, **kwargs: None)
+    built_in = data.DATASETS[tc.dataset].reads == "built-in"  # its images are counted before any is made
+    runs.check_fits(mc, tc, device, world, tc.shapes_count if built_in else 0)
     out_dir = runs.prepare_run_folder(tc.out_dir, preset, tc.resume, world)
     loader, data_classes = make_loader(tc.loader, tc.dataset, tc.data_dir, mc.image_size,
                                        tc.batch_size // world, tc.seed, device, hflip=tc.hflip,
@@ -988,13 +909,14 @@ def set_up(mc, tc, preset):
         differ = [f"{k}={v!r}" for k, v in asdict(src_mc).items() if getattr(mc, k) != v]
         say(f"initialised from {tc.init_from}" + (f" (a model with {', '.join(differ)})" if differ else ""))
     if tc.resume:
-        ckpt, path = runs.load_resume_checkpoint(out_dir, device)
-        step = runs.restore(ckpt, path, mc, b.model, b.ema, b.opt, loader, world, b.scaler,
+        ckpt, path = checkpoints.load_resume_checkpoint(out_dir, device)
+        step = checkpoints.restore(ckpt, path, mc, b.model, b.ema, b.opt, loader, world, b.scaler,
                             data_settings(mc, tc), tc.resume_new_data)
         skipped = ckpt.get("nonfinite_skipped", 0)
         say(f"resumed {out_dir} from {os.path.basename(path)} at step {step}")
     # built now: missing Inception weights or data fail before training, not hours in
-    evaluator = evaluate.TrainingEval(mc, tc, b.diffusion, device) if tc.eval_every_steps else None
+    evaluator = (evaluate.TrainingEval(mc, tc, b.diffusion, functools.partial(sample, b.diffusion), device)
+                 if tc.eval_every_steps else None)
     peak, peak_source = mfu.peak_flops(device, b.precision)
     return Run(rank, world, device, out_dir, loader, b, step, skipped, evaluator,
                mfu.train_flops_per_image(mc, tc.attention) * tc.batch_size, peak, peak_source)
@@ -1050,11 +972,11 @@ def save_samples(run, mc, tc, step):
     mine = torch.arange(rank, tc.num_samples, world)
     y = (mine % mc.num_classes).to(run.device) if mc.num_classes > 0 else None
     g = torch.Generator().manual_seed(tc.seed + rank)  # the same noise every time: comparable grids
-    x = b.diffusion.sample(autocast_model(b.ema, run.device, b.precision),
+    x = sample(b.diffusion, autocast_model(b.ema, run.device, b.precision),
                            (len(mine), mc.channels, mc.image_size, mc.image_size), sampler=tc.sampler,
                            steps=tc.sample_steps or None, y=y, guidance=tc.guidance, threshold=tc.threshold,
-                           generator=g)
-    x = runs.gather_rows(x, rank, world)
+                           eta=tc.eta, generator=g)
+    x = group.gather_rows(x)
     if rank == 0:
         path = os.path.join(run.out_dir, f"samples_{step:07d}.png")
         grid = runs.save_grid(x, path, kept=runs.kept(run.out_dir))
@@ -1084,10 +1006,12 @@ def train(mc, tc, preset="custom"):
 
     def save_checkpoint(step):  # rank 0 alone: the other ranks hold the same state
         if lead:
-            runs.save_checkpoints(run.out_dir, step, b.model, b.ema, mc, tc, data=data_settings(mc, tc),
-                                  optimizer=b.opt.state_dict(), loader=run.loader.state_dict(),
-                                  scaler=b.scaler.state_dict() if b.scaler else None, world_size=run.world,
-                                  nonfinite_skipped=run.skipped + int(tally.skipped.item()))
+            checkpoints.save_checkpoints(run.out_dir, step, b.model, b.ema, mc, tc,
+                                         data=data_settings(mc, tc), optimizer=b.opt.state_dict(),
+                                         loader=run.loader.state_dict(),
+                                         scaler=b.scaler.state_dict() if b.scaler else None,
+                                         world_size=run.world,
+                                         nonfinite_skipped=run.skipped + int(tally.skipped.item()))
 
     lock = runs.lock_run_folder(run.out_dir) if lead else None  # one run per folder: a second is refused
     preempt = runs.Preemption(run.world)
@@ -1158,8 +1082,7 @@ def main(argv=None):
             mc, tc, preset = parse_args(sys.argv[1:] if argv is None else argv)
             train(mc, tc, preset)
     finally:
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        group.leave()
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ import torch
 
 import files
 import unet
-from errors import first_line
+from errors import UserError, first_line
 
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 INDEX = WEIGHTS + ".index.json"  # the shards' index: {"weight_map": {tensor name: shard file name}}
@@ -355,3 +355,13 @@ def write(path, model, mc):
     for name, content in ((SCHEDULER, scheduler_config(mc)), ("config.json", config)):
         with files.created(os.path.join(path, name), "w", kept=kept) as f:
             json.dump(content, f, indent=2)
+
+
+def export(path, model, mc):
+    """sample.py --export_diffusers: write(), its refusals as one UserError line. -> the folder."""
+    try:
+        write(path, model, mc)
+    except ValueError as e:
+        raise UserError(f"--export_diffusers: {e}") from None
+    print(f"wrote {path}: UNet2DModel.from_pretrained and DDPMScheduler.from_pretrained load it")
+    return path

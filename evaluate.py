@@ -3,7 +3,7 @@
     ref = reference_stats(inception(device), "cifar10", "data", 32, 50_000, device, cache_dir)  # cached
     fid_metrics(*features(extractor, batches, device), ref)     # {'fid', 'inception_score', 'precision', ...}
     held_out_bits(diffusion, model, images, labels, ...)        # bpd / bpd_estimate (below), batched
-    TrainingEval(mc, tc, diffusion, device)(net, ema)           # what train() logs every eval_every_steps
+    TrainingEval(mc, tc, diffusion, sample, device)(net, ema)   # what train() logs every eval_every_steps
 
 A library for sample.py and ddpm.py; it imports neither: it is handed the model callable, the Diffusion and
 the config values it needs. Under torch.distributed every rank does 1/world of the work and sums are
@@ -19,7 +19,6 @@ It is also a command that scores anything against anything (main, below):
 A is scored against B, each an .npz, an image folder (or folder:PATH) or DATASET:SPLIT (cifar10 or shapes,
 train or test; --data_dir). B's statistics are cached in --stats_dir when B is a dataset split.
 """
-import hashlib
 import json
 import math
 import os
@@ -29,233 +28,10 @@ import zipfile
 import numpy as np
 import torch
 
+import fid
 import files
+import group
 from errors import UserError, first_line, reported
-
-# FID, Inception Score and precision/recall, with torch-fidelity's InceptionV3 (the TF-FID network, ported
-# bit-exactly). Reference statistics of a training set are computed once and cached as an .npz.
-# Under torch.distributed every rank does 1/world of the images and the sums are all-reduced.
-
-REFERENCE_KEEP = 10_000  # reference features kept for precision/recall (k-NN balls are O(n^2) in memory)
-
-
-WEIGHTS_ENV = "DDPM_INCEPTION_WEIGHTS"  # a local Inception weights file, for machines without internet
-
-
-def inception(device, weights=None):
-    """uint8 images (B, 3, H, W) -> (2048-d pool features, 1008 logits), as torch-fidelity computes them.
-    The weights: `weights` (a path), else $DDPM_INCEPTION_WEIGHTS, else torch.hub's cache, downloaded once
-    (offline, the error says where to put them). A file that is not the network's weights is one UserError
-    line. The extractor carries `weights_sha256` and `weights_path`: what a result records."""
-    try:
-        from torch_fidelity.feature_extractor_inceptionv3 import URL_INCEPTION_V3, FeatureExtractorInceptionV3
-    except ImportError:
-        raise UserError("FID needs torch-fidelity: pip install torch-fidelity") from None
-    what = "--inception_weights" if weights else f"${WEIGHTS_ENV}"
-    weights = weights or os.environ.get(WEIGHTS_ENV) or ""
-    if weights:
-        path = weights
-        if not files.is_regular(os.path.realpath(path)):
-            raise UserError(f"{what} {path}: no such file")
-        wrong = f"{what} {path} is not the Inception weights file ({URL_INCEPTION_V3})"
-    else:
-        path = os.path.join(torch.hub.get_dir(), "checkpoints", os.path.basename(URL_INCEPTION_V3))
-        download_weights(URL_INCEPTION_V3, path)
-        wrong = f"{path} is not the Inception weights file: delete it, and place {URL_INCEPTION_V3} there"
-    try:
-        with files.open_regular(path) as f:
-            sha = hashlib.sha256(f.read()).hexdigest()
-            f.seek(0)
-            state = torch.load(f, map_location="cpu", weights_only=True)  # tensors only, before the library
-        if not isinstance(state, dict) or not all(torch.is_tensor(v) for v in state.values()):
-            raise TypeError("not a state dict")
-        extractor = FeatureExtractorInceptionV3("inception-v3-compat", ["2048", "logits_unbiased"],
-                                                feature_extractor_weights_path=path)
-    except Exception as e:  # unreadable, not a torch file, or a network of other names or shapes
-        raise UserError(f"{wrong} ({type(e).__name__}: {first_line(e)[:200]})") from None
-    extractor.weights_sha256, extractor.weights_path = sha, os.path.abspath(path)
-    return extractor.to(device)
-
-
-def download_weights(url, path):
-    """torch-fidelity's Inception weights into torch.hub's cache, once; offline, one line saying where to
-    place them."""
-    if os.path.exists(path):
-        return
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        torch.hub.download_url_to_file(url, path, progress=False)  # via a temporary file
-    except Exception as e:
-        raise UserError(f"cannot download the Inception weights ({type(e).__name__}); offline, "
-                        f"place {url} at {path}, or give its path with --inception_weights or "
-                        f"${WEIGHTS_ENV}") from None
-
-
-def extractor_record(extractor):
-    """What a FID result says of the network that measured it: its name, its weights' SHA-256 (torch.hub
-    names files by the first 8 hex digits of theirs: the official one's begins 6726825d) and torch-fidelity's
-    version."""
-    try:
-        from importlib.metadata import version
-
-        fidelity = version("torch-fidelity")
-    except Exception:
-        fidelity = None
-    return {"network": getattr(extractor, "name", type(extractor).__name__),
-            "weights_sha256": getattr(extractor, "weights_sha256", None),
-            "weights_path": getattr(extractor, "weights_path", None), "torch_fidelity": fidelity}
-
-
-def json_safe(result):
-    """A result with each non-finite number (the Inception Score of weights without the classifier, say) as
-    None: strict JSON has no NaN."""
-    return {k: None if isinstance(v, float) and not np.isfinite(v) else v for k, v in result.items()}
-
-
-def stats_sha256(ref):
-    """SHA-256 of reference statistics (the mean's and covariance's float64 bytes): two results with the
-    same hash were measured against the same reference."""
-    h = hashlib.sha256()
-    for k in ("mu", "sigma"):
-        h.update(np.ascontiguousarray(ref[k], dtype=np.float64).tobytes())
-    return h.hexdigest()
-
-
-def distributed():
-    import torch.distributed as dist
-
-    return ((dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized()
-            else (0, 1))
-
-
-def all_reduce_sum(*tensors):
-    """Sum CPU float64 tensors over ranks (gloo and NCCL both take them on the process group's device)."""
-    import torch.distributed as dist
-
-    if distributed()[1] == 1:
-        return tensors
-    device = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl"
-              else torch.device("cpu"))
-    out = []
-    for t in tensors:
-        t = t.to(device)
-        dist.all_reduce(t)
-        out.append(t.cpu())
-    return out
-
-
-@torch.no_grad()
-def features(extractor, batches, device, desc=None, total=None):
-    """-> (features (N, D), logits (N, K)), float32 on the CPU, of uint8 image batches. desc: a progress bar
-    of `total` images with the time left, on a terminal only (tqdm's disable=None)."""
-    from tqdm import tqdm
-
-    feats, logits = [], []
-    bar = tqdm(total=total, desc=desc, unit="img", disable=None if desc else True, leave=False)
-    for x in batches:
-        bar.update(len(x))
-        f, lg = extractor(x.to(device))
-        feats.append(f.float().cpu())
-        logits.append(lg.float().cpu())
-    bar.close()
-    return torch.cat(feats), torch.cat(logits)
-
-
-def mean_cov(feats, chunk=4096):
-    """Mean and covariance (float64) of (N, D) features, summed over ranks under torch.distributed."""
-    s = torch.zeros(feats.shape[1], dtype=torch.float64)
-    outer = torch.zeros(feats.shape[1], feats.shape[1], dtype=torch.float64)
-    for i in range(0, len(feats), chunk):
-        f = feats[i : i + chunk].double()
-        s += f.sum(0)
-        outer += f.T @ f
-    n, s, outer = all_reduce_sum(torch.tensor(float(len(feats)), dtype=torch.float64), s, outer)
-    mu = s / n
-    return mu.numpy(), ((outer - n * torch.outer(mu, mu)) / (n - 1)).numpy()
-
-
-def frechet_distance(mu1, sigma1, mu2, sigma2):
-    """||mu1 - mu2||^2 + Tr(S1 + S2 - 2 (S1 S2)^(1/2)) (Heusel et al. 2017), as torch-fidelity computes it."""
-    from torch_fidelity.metric_fid import fid_statistics_to_metric
-
-    return fid_statistics_to_metric({"mu": np.asarray(mu1), "sigma": np.asarray(sigma1)},
-                                    {"mu": np.asarray(mu2), "sigma": np.asarray(sigma2)}, verbose=False)[
-        "frechet_inception_distance"]
-
-
-def reference_path(extractor, dataset, data_dir, image_size, shapes_count, cache_dir, train=True):
-    """Where a split's statistics are cached: the name changes with the data (as a beton's does) and with
-    the network (its name, and its weights' hash where it has one)."""
-    import data
-
-    name = data.beton_name(dataset, data_dir, image_size, shapes_count, train=train)
-    net = getattr(extractor, "name", type(extractor).__name__)
-    sha = getattr(extractor, "weights_sha256", None)
-    suffix = f"-{net}" + (f"-{sha[:12]}" if sha else "") + ".npz"
-    return os.path.join(cache_dir, name.replace(".beton", suffix))
-
-
-def reference_stats(extractor, dataset, data_dir, image_size, shapes_count, device, cache_dir, batch=250,
-                    train=True):
-    """A split's (the training set's by default) feature mean and covariance, plus up to REFERENCE_KEEP of
-    its features (precision/recall). Computed once, then read from cache_dir (reference_path)."""
-    import data
-
-    path = reference_path(extractor, dataset, data_dir, image_size, shapes_count, cache_dir, train)
-    rank, world = distributed()
-    (cached,) = all_reduce_sum(torch.tensor(float(os.path.exists(path)), dtype=torch.float64))
-    # decided together: a rank that skipped the computation would leave the others waiting
-    if cached == world:
-        try:  # a file on disk may be truncated or someone else's: checked before it is trusted
-            with files.open_regular(path) as f, np.load(f) as z:
-                ref = {k: z[k] for k in z.files}
-            ok = {"mu", "sigma", "features", "n"} <= set(ref) and ref["sigma"].shape == (len(ref["mu"]),) * 2
-        except Exception:
-            ok = False
-        if not ok:
-            raise UserError(f"{path} is not readable FID reference statistics: delete it and they are "
-                            "computed again")
-        return ref
-    try:
-        images, _, _ = data.load_dataset(dataset, data_dir, image_size, shapes_count, train=train)
-    except UserError as e:
-        raise UserError(f"FID reference statistics: {e}") from None
-    split = "train" if train else "test"
-    print(f"computing FID reference statistics of {dataset} {split} ({len(images)} images) into {path}",
-          flush=True)
-    mine = images[rank::world]
-    f, _ = features(extractor, (mine[i : i + batch] for i in range(0, len(mine), batch)), device,
-                    desc="FID reference statistics", total=len(mine))
-    mu, sigma = mean_cov(f)
-    kept = f[: REFERENCE_KEEP // world].float().numpy()  # this rank's share; rank 0's is what the cache keeps
-    ref = {"mu": mu, "sigma": sigma, "features": kept, "n": np.array(len(images))}
-    if rank == 0:
-        os.makedirs(cache_dir, exist_ok=True)
-        with files.created(path, kept="nothing is cached; the statistics are computed again next time") as f:
-            np.savez(f, **ref)
-    return ref
-
-
-def fid_metrics(gen_feats, gen_logits, ref, prc=True):
-    """FID against `ref`; Inception Score (10 splits) and precision/recall (k = 3) where asked and
-    available."""
-    mu, sigma = mean_cov(gen_feats)
-    out = {"fid": frechet_distance(mu, sigma, ref["mu"], ref["sigma"])}
-    if gen_logits is not None:
-        from torch_fidelity.metric_isc import isc_features_to_metric
-
-        isc = isc_features_to_metric(gen_logits, splits=10)
-        out.update(inception_score=isc["inception_score_mean"],
-                   inception_score_std=isc["inception_score_std"])
-    if prc and len(ref.get("features", ())) > 3:
-        from torch_fidelity.metric_prc import prc_features_to_metric
-
-        real = torch.from_numpy(ref["features"]).float()
-        m = prc_features_to_metric(gen_feats[: len(real)].float(), real, prc_neighborhood=3,
-                                   prc_batch_size=10_000, save_cpu_ram=False, verbose=False)
-        out.update(precision=m["precision"], recall=m["recall"], prc_n=min(len(gen_feats), len(real)))
-    return out
-
 
 # -----------------------------------------------------------------------------
 # Bits/dim: the variational bound of a Diffusion's model on held-out images
@@ -376,14 +152,14 @@ def to_uint8(x):
     return ((x + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).cpu()
 
 
-def generate(diffusion, net, n, mc, *, batch, generator, labels=None, **sampler_args):
-    """Yields n samples as uint8 CPU batches; `labels` (n,) for a class-conditional model."""
-    device = diffusion.alpha_bar.device
+def generate(sample, net, n, mc, device, *, batch, generator, labels=None, **sampler_args):
+    """Yields n samples as uint8 CPU batches of sample(net, shape, y=, generator=, ...) (ddpm.sample with its
+    Diffusion); `labels` (n,) for a class-conditional model."""
     for start in range(0, n, batch):
         b = min(batch, n - start)
         y = labels[start : start + b].to(device) if labels is not None else None
-        yield to_uint8(diffusion.sample(net, (b, mc.channels, mc.image_size, mc.image_size), y=y,
-                                        generator=generator, **sampler_args))
+        yield to_uint8(sample(net, (b, mc.channels, mc.image_size, mc.image_size), y=y, generator=generator,
+                              **sampler_args))
 
 
 class TrainingEval:
@@ -393,15 +169,16 @@ class TrainingEval:
     of both and the sums are all-reduced, so no rank waits on another. The noise is fixed: the numbers
     are comparable across steps. Built before training starts, so missing weights or data fail at once."""
 
-    def __init__(self, mc, tc, diffusion, device, extractor=None, batch=250):
+    def __init__(self, mc, tc, diffusion, sample, device, extractor=None, batch=250):
         import data
 
         self.mc, self.tc, self.diffusion, self.device, self.batch = mc, tc, diffusion, device, batch
-        self.rank, self.world = distributed()
+        self.sample = sample  # sample(net, shape, ...): ddpm.sample with this Diffusion
+        self.rank, self.world = group.rank_world()
         self.extractor = self.ref = self.held_out = None
         if tc.eval_fid_samples:
-            self.extractor = extractor or inception(device)
-            self.ref = reference_stats(self.extractor, tc.dataset, tc.data_dir, mc.image_size,
+            self.extractor = extractor or fid.inception(device)
+            self.ref = fid.reference_stats(self.extractor, tc.dataset, tc.data_dir, mc.image_size,
                                        tc.shapes_count, device, cache_dir=tc.fid_stats_dir)
         if tc.eval_bpd_images:
             try:
@@ -421,20 +198,64 @@ class TrainingEval:
             mine = torch.arange(self.rank, tc.eval_fid_samples, self.world)
             labels = mine % mc.num_classes if mc.num_classes > 0 else None
             g = torch.Generator().manual_seed(tc.seed + 1 + self.rank)
-            batches = generate(self.diffusion, net, len(mine), mc, batch=self.batch, generator=g,
-                               labels=labels, sampler="dpm++", steps=tc.eval_sample_steps,
-                               guidance=tc.guidance, threshold=tc.threshold)
-            feats, _ = features(self.extractor, batches, self.device)
-            out["fid"] = fid_metrics(feats, None, self.ref, prc=False)["fid"]
+            batches = generate(self.sample, net, len(mine), mc, self.device, batch=self.batch, generator=g,
+                               labels=labels, sampler=tc.eval_sampler, steps=tc.eval_sample_steps,
+                               eta=tc.eta, guidance=tc.guidance, threshold=tc.threshold)
+            feats, _ = fid.features(self.extractor, batches, self.device)
+            out["fid"] = fid.fid_metrics(feats, None, self.ref, prc=False)["fid"]
             out["fid_samples"] = tc.eval_fid_samples
         if self.held_out is not None:
             g = torch.Generator().manual_seed(tc.seed + 1 + self.rank)
             bits, _ = held_out_bits(self.diffusion, ema, *self.held_out, mc.num_classes, self.device,
                                     self.batch, tc.eval_bpd_strata, generator=g)
-            (total,) = all_reduce_sum(torch.tensor([bits.sum().item(), len(bits)], dtype=torch.float64))
+            (total,) = group.all_reduce_sum(torch.tensor([bits.sum().item(), len(bits)], dtype=torch.float64))
             out["bpd"], out["bpd_images"] = (total[0] / total[1]).item(), int(total[1])
         out["eval_s"] = time.time() - t0
         return out
+
+
+# -----------------------------------------------------------------------------
+# sample.py's scores: FID of the images it drew, bits/dim of held-out images
+
+
+def sample_reference(dataset, data_dir, image_size, shapes_count, device, weights, stats_dir):
+    """Before any sampling: -> (the Inception network, the training split's statistics, what a result
+    records of them)."""
+    extractor = fid.inception(device, weights)
+    ref = fid.reference_stats(extractor, dataset, data_dir, image_size, shapes_count, device, stats_dir)
+    cache = fid.reference_path(extractor, dataset, data_dir, image_size, shapes_count, stats_dir)
+    record = {"dataset": dataset, "data_dir": data_dir, "split": "train", "images": int(ref["n"]),
+              "image_size": image_size, "sha256": fid.stats_sha256(ref), "cache": os.path.abspath(cache)}
+    return extractor, ref, record
+
+
+def score_samples(feats, logits, reference, record):
+    """FID, Inception Score and precision/recall of the samples' features, with the protocol: the reference,
+    the network's weights, torch-fidelity's version, and `record` (the samples' settings)."""
+    extractor, ref, ref_record = reference
+    warning = small_n_warning(len(feats))
+    return {**fid.json_safe(fid.fid_metrics(feats, logits, ref)),
+            "reference": f"{ref_record['dataset']} train, {ref_record['images']} images",
+            "reference_stats": ref_record, **record,
+            "feature_extractor": "torch-fidelity inception-v3-compat",
+            "inception": fid.extractor_record(extractor),
+            "fid_note": warning.removeprefix("warning: ") or None}
+
+
+def held_out_result(diffusion, model, mc, dataset, data_dir, shapes_count, n, seed, batch, strata, threshold,
+                    device):
+    """Bits/dim of the first n images of the held-out split, in fp32 (the bound sums T terms), with its
+    standard error over images (and the estimator's, with strata)."""
+    import data
+
+    images, labels, _ = data.load_dataset(dataset, data_dir, mc.image_size, shapes_count, train=False)
+    n = min(n, len(images))
+    g = torch.Generator().manual_seed(seed)
+    bits, est_var = held_out_bits(diffusion, model, images[:n], labels[:n], mc.num_classes, device, batch,
+                                  strata, threshold, g, progress=True)
+    return {"bpd": bits.mean().item(), "sem": (bits.std() / n**0.5).item() if n > 1 else None, "n": n,
+            "dataset": dataset, "split": "test", "strata": strata or None,
+            "estimator_se": est_var**0.5 / n if strata else None, "reverse_variance": mc.reverse_variance}
 
 
 # -----------------------------------------------------------------------------
@@ -442,7 +263,13 @@ class TrainingEval:
 # one against another.
 
 SMALL_N = 50_000  # FID is biased upward below this many samples (and published figures use it)
-DATASET_SPLITS = ("cifar10", "shapes")  # DATASET:SPLIT operands; a folder is folder:PATH or just PATH
+
+
+def dataset_splits():
+    """The DATASET:SPLIT operands, from data.DATASETS: {name: its splits}; a folder is folder:PATH or PATH."""
+    import data
+
+    return {name: d.splits for name, d in data.DATASETS.items() if d.splits}
 
 
 def small_n_warning(n):
@@ -506,14 +333,14 @@ def operand(spec):
     if spec.startswith("folder:"):
         return ("folder", spec[len("folder:"):])
     name, _, split = spec.partition(":")
-    if name in DATASET_SPLITS and split in ("train", "test") and not os.path.exists(spec):
+    if split in dataset_splits().get(name, ()) and not os.path.exists(spec):
         return ("dataset", name, split)
     if spec.lower().endswith(".npz") and not os.path.isdir(spec):
         return ("npz", spec)
     if os.path.isdir(spec):
         return ("folder", spec)
     raise UserError(f"--fid {spec}: neither an .npz file, an image folder (or folder:PATH), nor "
-                    f"DATASET:SPLIT with DATASET one of {', '.join(DATASET_SPLITS)} and SPLIT train or test")
+                    f"DATASET:SPLIT, one of {', '.join(f'{n}:{s}' for n, ss in dataset_splits().items() for s in ss)}")
 
 
 def describe(op):
@@ -539,15 +366,19 @@ def operand_batches(op, args, image_size):
 
 
 def default_image_size(a, b, args):
-    """The resolution both sides are scored at: --image_size, else an .npz's own, else CIFAR-10's 32."""
+    """The resolution both sides are scored at: --image_size, else an .npz's own, else a dataset's own
+    (data.DATASETS: CIFAR-10's 32)."""
+    import data
+
     if args.image_size:
         return args.image_size
     for op in (a, b):
         if op[0] == "npz":
             return NpzImages(op[1]).shape[1]
-    if "cifar10" in (a[1], b[1]):
-        return 32
-    raise UserError("give --image_size: neither side is an .npz or CIFAR-10, whose resolution it would be")
+    for op in (a, b):
+        if op[0] == "dataset" and data.DATASETS[op[1]].image_size:
+            return data.DATASETS[op[1]].image_size
+    raise UserError("give --image_size: neither side is an .npz or a dataset of one resolution")
 
 
 def parse_args(argv):
@@ -566,8 +397,8 @@ def parse_args(argv):
     p.add_argument("--stats_dir", default="data/fid_stats",
                    help="where a dataset split's reference statistics are cached")
     p.add_argument("--inception_weights", default="",
-                   help=f"a local copy of torch-fidelity's Inception weights (also ${WEIGHTS_ENV}); default: "
-                        "torch.hub's cache, downloaded once")
+                   help=f"a local copy of torch-fidelity's Inception weights (also ${fid.WEIGHTS_ENV}); "
+                        "default: torch.hub's cache, downloaded once")
     p.add_argument("--batch", type=int, default=250, help="images per Inception call")
     p.add_argument("--device", default="auto")
     p.add_argument("--out", default="", help="also write the result as JSON here")
@@ -580,33 +411,23 @@ def parse_args(argv):
     return args
 
 
-def resolve_device(name):
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-        torch.empty(1, device=device)
-    except (RuntimeError, AssertionError, ValueError) as e:
-        raise UserError(f"--device {name}: not available here ({first_line(e)})") from None
-    return device
-
-
 def side_stats(op, args, extractor, image_size, device):
     """The reference side B: a dataset split's cached statistics, or those of an .npz's or folder's images.
     -> (statistics, their record)."""
     if op[0] == "dataset":
-        path = reference_path(extractor, op[1], args.data_dir, image_size, args.shapes_count, args.stats_dir,
-                              op[2] == "train")
-        ref = reference_stats(extractor, op[1], args.data_dir, image_size, args.shapes_count, device,
+        path = fid.reference_path(extractor, op[1], args.data_dir, image_size, args.shapes_count,
+                                  args.stats_dir, op[2] == "train")
+        ref = fid.reference_stats(extractor, op[1], args.data_dir, image_size, args.shapes_count, device,
                               args.stats_dir, args.batch, train=op[2] == "train")
     else:
         path = None
         _, batches = operand_batches(op, args, image_size)
-        f, _ = features(extractor, batches, device, desc=f"Inception features of {describe(op)}")
-        mu, sigma = mean_cov(f)
-        ref = {"mu": mu, "sigma": sigma, "features": f[:REFERENCE_KEEP].numpy(), "n": np.array(len(f))}
+        f, _ = fid.features(extractor, batches, device, desc=f"Inception features of {describe(op)}")
+        mu, sigma = fid.mean_cov(f)
+        ref = {"mu": mu, "sigma": sigma, "features": f[:fid.REFERENCE_KEEP].numpy(), "n": np.array(len(f))}
     record = {"source": describe(op), "kind": op[0], "split": op[2] if op[0] == "dataset" else None,
-              "images": int(ref["n"]), "image_size": image_size, "sha256": stats_sha256(ref), "cache": path}
+              "images": int(ref["n"]), "image_size": image_size, "sha256": fid.stats_sha256(ref),
+              "cache": path}
     return ref, record
 
 
@@ -617,18 +438,19 @@ def main(argv=None):
         args = parse_args(argv)
         a, b = operand(args.fid[0]), operand(args.fid[1])
         image_size = default_image_size(a, b, args)
-        device = resolve_device(args.device)
-        extractor = inception(device, args.inception_weights)
+        device = group.resolve_device(args.device)
+        extractor = fid.inception(device, args.inception_weights)
         ref, reference = side_stats(b, args, extractor, image_size, device)
         n, batches = operand_batches(a, args, image_size)
         warning = small_n_warning(n)
         if warning:
             print(warning)
-        feats, logits = features(extractor, batches, device, desc=f"Inception features of {describe(a)}",
+        feats, logits = fid.features(extractor, batches, device, desc=f"Inception features of {describe(a)}",
                                  total=n)
-        result = {**json_safe(fid_metrics(feats, logits, ref)), "n": len(feats), "samples": describe(a),
+        result = {**fid.json_safe(fid.fid_metrics(feats, logits, ref)), "n": len(feats),
+                  "samples": describe(a),
                   "reference": f"{describe(b)}, {reference['images']} images", "reference_stats": reference,
-                  "inception": extractor_record(extractor),
+                  "inception": fid.extractor_record(extractor),
                   "fid_note": warning.removeprefix("warning: ") or None}
         if args.out:
             with files.created(args.out, "w") as f:
@@ -636,8 +458,8 @@ def main(argv=None):
         extra = "".join(f", {k} {result[k]:.4f}" for k in ("inception_score", "precision", "recall")
                         if result.get(k) is not None)
         wrote = f"; wrote {args.out}" if args.out else ""
-        fid = f"{result['fid']:.4f}" if result["fid"] is not None else "not a number"
-        print(f"FID {fid}: {describe(a)} ({len(feats)} images) against {describe(b)} "
+        score = f"{result['fid']:.4f}" if result["fid"] is not None else "not a number"
+        print(f"FID {score}: {describe(a)} ({len(feats)} images) against {describe(b)} "
               f"({reference['images']} images) at {image_size}px{extra}{wrote}")
         return result
 

@@ -7,6 +7,8 @@ image folder can neither redirect a write nor block a read.
                                       # never followed); on any error the temporary file is removed
     files.append_line(path, text)     # one os.write of a whole line to a regular file (never through a link)
     with files.open_regular(path) as f: ...   # refuses anything but a regular file, without blocking on it
+    files.own_folder(path)            # a folder the program names itself: made here, never a planted link
+    files.check_space([(path, bytes)], advice)  # refuse, before writing, what the free disk cannot hold
 
 OS errors (a full disk, a read-only folder, no permission) become one UserError line naming the file and the
 reason; `kept` says what was left as it was.
@@ -14,7 +16,11 @@ reason; `kept` says what was left as it was.
 import contextlib
 import errno
 import os
+import shutil
 import stat
+import zipfile
+
+import numpy as np
 
 from errors import RUN_STOPPED, UserError
 
@@ -122,3 +128,68 @@ def open_regular(path, mode="rb"):
     except BaseException:
         os.close(fd)
         raise
+
+
+def own_folder(path):
+    """A folder this program names itself (a shard folder, a cache, a tracker's): made here, or where it is
+    already, a real directory of this user's; a link (even to a folder), a file or another user's folder
+    there is one UserError line, and nothing is written or deleted through it. The folders above it are the
+    user's: made if missing, and they may be links. -> path."""
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        os.mkdir(path, 0o755)
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise os_error(e, path) from None
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        what = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a folder"
+        raise UserError(f"{path} is {what}; this program uses only folders it made there: remove it")
+    if hasattr(os, "getuid") and st.st_uid != os.getuid():
+        raise UserError(f"{path} belongs to another user; this program uses only folders it made: remove it, "
+                        "or choose another place")
+    return path
+
+
+def write_npz(path, shape, chunks):
+    """arr_0: uint8 images `shape` (N, H, W, C), streamed from `chunks` ((images, labels) in index order:
+    one chunk in memory at a time), and arr_1: the labels, as np.savez lays them out (uncompressed .npy
+    entries) but with fixed timestamps, so the same images give the same bytes."""
+    def entry(name):
+        info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
+        info.compress_type, info.external_attr = zipfile.ZIP_STORED, 0o644 << 16
+        return info
+
+    labels, count = [], 0
+    with created(path, kept="the shards are kept: run the same command again") as f:
+        with zipfile.ZipFile(f, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+            with zf.open(entry("arr_0.npy"), "w", force_zip64=True) as out:
+                np.lib.format.write_array_header_1_0(out, {"descr": np.lib.format.dtype_to_descr(np.dtype(
+                    np.uint8)), "fortran_order": False, "shape": tuple(shape)})
+                for images, y in chunks:
+                    out.write(memoryview(np.ascontiguousarray(images, np.uint8)).cast("B"))
+                    labels.append(np.asarray(y, np.int64))
+                    count += len(images)
+            if count != shape[0]:
+                raise UserError(f"{count} images in the shards, {shape[0]} expected")
+            with zf.open(entry("arr_1.npy"), "w", force_zip64=True) as out:
+                np.lib.format.write_array(out, np.concatenate(labels), allow_pickle=False)
+
+
+def check_space(needs, advice):
+    """Refuse in one UserError line, before anything is written, what the free disk cannot hold: needs is
+    [(path, bytes)] (a path not there yet: its nearest folder, on the same disk); empty paths are skipped."""
+    per_disk = {}
+    for where, size in needs:
+        if where:
+            where = os.path.abspath(where)
+            while not os.path.isdir(where):
+                where = os.path.dirname(where)
+            folder, total = per_disk.get(os.stat(where).st_dev, (where, 0))
+            per_disk[os.stat(where).st_dev] = (folder, total + size)
+    for folder, size in per_disk.values():
+        free = shutil.disk_usage(folder).free
+        if size > free:
+            raise UserError(f"this needs about {size / 2**30:.2f} GiB in {folder} and {free / 2**30:.2f} GiB "
+                            f"are free: {advice}")

@@ -5,6 +5,7 @@ FLOPs are counted, not estimated: torch.utils.flop_counter sees every matmul, co
 and the measured square-matmul rate elsewhere. StepTimer times without syncing (CUDA events on a GPU), and
 keep_freed_memory is the allocator setting every CPU step runs under.
 """
+import os
 import platform
 import time
 
@@ -116,6 +117,39 @@ def counted_flops(mc, attention, backward):
         if backward:
             out.sum().backward()
     return counter.get_total_flops()
+
+
+def training_bytes(mc, batch, precision="fp32", activation_checkpointing=False):
+    """A lower bound on one training step's memory: -> (parameters, bytes). Five fp32 copies of the weights
+    (the weights, their gradients, AdamW's two moments, the EMA: 20 bytes a parameter) and, without activation
+    checkpointing, every convolution's output for `batch` images kept once for the backward pass (2 bytes an
+    element under bf16/fp16 autocast, else 4). Counted on the meta device: nothing is allocated."""
+    outputs = []
+    with torch.device("meta"):
+        model = UNet(mc)
+        x = torch.zeros(1, mc.channels, mc.image_size, mc.image_size)
+        t = torch.zeros(1, dtype=torch.long)
+        y = torch.zeros(1, dtype=torch.long) if mc.num_classes > 0 else None
+        hooks = [m.register_forward_hook(lambda m, i, o: outputs.append(o.numel()))
+                 for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
+        with torch.no_grad():
+            model(x, t, y)
+    for h in hooks:
+        h.remove()
+    params = sum(p.numel() for p in model.parameters())
+    activations = 0 if activation_checkpointing else sum(outputs) * batch * (2 if precision in AUTOCAST_DTYPES
+                                                                                 else 4)
+    return params, 20 * params + activations
+
+
+def memory_bytes(device):
+    """The device's memory: a GPU's total, or the host's physical memory for the CPU (None where unknown)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def mfu(flops_per_step, step_seconds, peak):

@@ -16,33 +16,18 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict
 
 import torch
 import torch.nn.functional as F
 
+import checkpoints
 import files
+import group
 import mfu
-from errors import RUN_STOPPED, UserError, first_line
+from errors import UserError, first_line
 
 # -----------------------------------------------------------------------------
 # The device: which one, which precision and layout, and torchrun
-
-
-def resolve_device(name):
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise UserError(f"--device={name}: not a device name") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"--device={name}: no CUDA device is available")
-    try:  # any other missing device (mps on a machine without it, cuda:7 of 1 GPU) fails here, not mid-run
-        torch.empty(1, device=device)
-    except (RuntimeError, AssertionError, ValueError) as e:
-        raise UserError(f"--device={name}: not available here ({first_line(e)})") from None
-    return device
 
 
 def resolve_precision(precision, device):
@@ -99,10 +84,33 @@ def device_notes(device, precision, compile, say):
             "(BENCHMARKS.md); --compile=auto or false skips it")
 
 
+def check_fits(mc, tc, device, world, data_images):
+    """Before anything is allocated: refuse in one line a run whose memory cannot fit, by a lower bound
+    (mfu.training_bytes: the weights with their optimizer state and EMA, one micro-batch's activations, plus
+    the `data_images` uint8 images the data set-up holds in host memory), with the estimate in the line."""
+    precision = resolve_precision(tc.precision, device)
+    micro = max(1, tc.batch_size // world // tc.grad_accum_steps)
+    params, step = mfu.training_bytes(mc, micro, precision, tc.activation_checkpointing)
+    images = data_images * mc.channels * mc.image_size**2
+    host, on_device = mfu.memory_bytes(torch.device("cpu")), mfu.memory_bytes(device)
+    needs = [(step, on_device, f"the {device.type} step"), (images, host, "the images in host memory")]
+    if device.type == "cpu":
+        needs = [(step + images, host, "the step and the images in host memory")]
+    for need, have, what in needs:
+        if have is not None and need > have:
+            raise UserError(f"{what} need at least {need / 2**30:,.1f} GiB ({params:,} parameters, "
+                            f"micro-batch {micro}, {data_images:,} images of {mc.image_size}px); this "
+                            f"machine has {have / 2**30:,.1f} GiB: make the model, the batch or the data "
+                            "smaller")
+
+
 def set_up_cpu(device, threads, say):
     """On a CPU: the step's intra-op threads (0 = torch's default) and glibc keeping freed memory."""
     if device.type != "cpu":
         return
+    if threads > 16 * (os.cpu_count() or 1):
+        raise UserError(f"cpu_threads={threads}: this machine has {os.cpu_count()} cores; give at most "
+                        f"{16 * (os.cpu_count() or 1)} threads (0 = one per core)")
     if threads:
         torch.set_num_threads(threads)
     if not mfu.keep_freed_memory():
@@ -110,38 +118,16 @@ def set_up_cpu(device, threads, say):
 
 
 def distributed_setup(tc):
-    """-> (rank, world, device). Under torchrun (WORLD_SIZE > 1) this process joins the group, NCCL
-    between GPUs (one per process: LOCAL_RANK) and gloo between CPU processes."""
+    """-> (rank, world, device): the global batch checked against torchrun's processes, then the group
+    joined (group.join)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    device = resolve_device(tc.device)
-    if world == 1:
-        return 0, 1, device
-    if tc.batch_size % world:
+    if world > 1 and tc.batch_size % world:
         raise UserError(f"batch_size {tc.batch_size} does not divide by the {world} processes "
-                          "(it is the global batch, split evenly across them)")
-    if tc.batch_size // world % tc.grad_accum_steps:
+                        "(it is the global batch, split evenly across them)")
+    if world > 1 and tc.batch_size // world % tc.grad_accum_steps:
         raise UserError(f"each process's batch of {tc.batch_size // world} does not divide into "
-                          f"grad_accum_steps={tc.grad_accum_steps} micro-batches")
-    import torch.distributed as dist
-
-    rank = int(os.environ["RANK"])
-    if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return rank, world, device
-
-
-def gather_rows(x, rank, world):
-    """Rows rank::world of a tensor from every rank -> the whole tensor in the original order (CPU)."""
-    if world == 1:
-        return x.cpu()
-    parts = [None] * world
-    torch.distributed.all_gather_object(parts, x.cpu())
-    out = torch.empty((sum(map(len, parts)), *x.shape[1:]), dtype=x.dtype)
-    for r, p in enumerate(parts):
-        out[r::world] = p
-    return out
+                        f"grad_accum_steps={tc.grad_accum_steps} micro-batches")
+    return group.join(tc.device)
 
 
 # -----------------------------------------------------------------------------
@@ -156,7 +142,7 @@ def prepare_run_folder(out_dir, preset, resume, world):
     out_dir = out_dir or os.path.join("runs", f"{preset}-{time.strftime('%Y%m%d-%H%M%S')}")
     ckpt_path = os.path.join(out_dir, "ckpt.pt")
     # a link planted at either name is no checkpoint of this folder: it is replaced when one is written
-    have_ckpt = files.is_regular(ckpt_path) or files.is_regular(previous_path(ckpt_path))
+    have_ckpt = files.is_regular(ckpt_path) or files.is_regular(checkpoints.previous_path(ckpt_path))
     if resume and not have_ckpt:
         raise UserError(f"--resume: no checkpoint at {ckpt_path}")
     if not resume and have_ckpt:
@@ -532,124 +518,6 @@ def wb_image(grid):
     import wandb
 
     return wandb.Image((grid.permute(1, 2, 0) * 255).round().byte().numpy())
-
-
-# -----------------------------------------------------------------------------
-# Checkpoints that are never lost, and resume
-
-
-def previous_path(path):
-    """ckpt.pt -> ckpt.prev.pt, in the same folder, whatever the folder is called."""
-    root, ext = os.path.splitext(path)
-    return root + ".prev" + ext
-
-
-def atomic_save(obj, path, keep_previous=False):
-    """torch.save to a fresh temporary file, fsync, rename (files.created): a crash mid-write never leaves a
-    broken `path`, and a link planted at `path` is replaced, not followed. keep_previous: the file it replaces
-    survives as *.prev.pt. A failed write (a full disk) leaves `path` as it was and raises one UserError
-    line (status 1) that says whether an earlier checkpoint is there."""
-    earlier = files.is_regular(path) or files.is_regular(previous_path(path))
-    kept = "the previous checkpoint is intact" if earlier else "there is no earlier checkpoint"
-    with files.created(path, kept=kept, previous=previous_path(path) if keep_previous else None) as f:
-        torch.save(obj, f)
-
-
-def save_checkpoints(out_dir, step, model, ema, mc, tc, **state):
-    """ckpt.pt, the resumable state (weights, EMA, RNG, both configs and `state`: optimizer, scaler, loader
-    position, ...; the one before survives as ckpt.prev.pt), and ema.pt, the export. Weights that are no
-    longer finite are never written: the run stops with the checkpoints it had."""
-    finite = torch.stack([torch.isfinite(p).all() for p in [*model.parameters(), *ema.parameters()]]).all()
-    # a sync, once per checkpoint; a finite step can still overflow the weights (huge lr)
-    if not finite.item():
-        raise UserError(f"the weights are no longer finite at step {step}; "
-                        f"{os.path.join(out_dir, 'ckpt.pt')} is left as it was (lower --lr, then --resume)",
-                        RUN_STOPPED)
-    on_gpu = next(model.parameters()).device.type == "cuda"
-    rng = {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if on_gpu else []}
-    configs = {"model_config": asdict(mc), "trainer_config": asdict(tc), "step": step}
-    atomic_save({"model": model.state_dict(), "ema": ema.state_dict(), "rng": rng, **state, **configs},
-                os.path.join(out_dir, "ckpt.pt"), keep_previous=True)
-    atomic_save({"ema": ema.state_dict(), **configs}, os.path.join(out_dir, "ema.pt"))
-
-
-def load_checkpoint(path, device):
-    """torch.load with weights_only=True (a checkpoint can never run code) of a regular file only (a FIFO
-    there would block forever); a bad file is one UserError line."""
-    if not os.path.exists(path):
-        raise UserError(f"no checkpoint at {path}")
-    try:
-        with files.open_regular(path) as f:
-            return torch.load(f, map_location=device, weights_only=True)
-    except Exception as e:  # truncated, corrupt, or not a torch file
-        raise UserError(f"cannot read checkpoint {path} ({type(e).__name__}: {first_line(e)})") from None
-
-
-def load_resume_checkpoint(out_dir, device):
-    """The newest readable of ckpt.pt and ckpt.prev.pt; a corrupt or missing newest one is said in one
-    line."""
-    path = os.path.join(out_dir, "ckpt.pt")
-    try:
-        if not files.is_regular(path):  # a link or FIFO planted there is not this folder's checkpoint
-            raise UserError(f"cannot read checkpoint {path} (not a regular file)")
-        return load_checkpoint(path, device), path
-    except UserError as e:
-        prev = previous_path(path)
-        if not files.is_regular(prev):
-            raise
-        print(f"warning: {e}; resuming from the previous checkpoint {prev}")
-        return load_checkpoint(prev, device), prev
-
-
-def data_changes(ckpt, data_now):
-    """The data settings that differ between a checkpoint and this run: ['dataset: shapes -> folder', ...]
-    (a checkpoint from before they were recorded: its trainer config's dataset)."""
-    saved = ckpt.get("data")
-    if not isinstance(saved, dict):
-        saved = {"dataset": (ckpt.get("trainer_config") or {}).get("dataset")}
-    return [f"{k}: {saved.get(k)!r} -> {v!r}" for k, v in data_now.items() if k in saved and saved[k] != v]
-
-
-def restore(ckpt, path, mc, model, ema, opt, loader, world, scaler=None, data_now=None, new_data=False):
-    """Load a resumable checkpoint into the run's objects: weights, EMA, optimizer, data position, RNG
-    states. -> its step. A checkpoint of a different model is one UserError line, and so is other data
-    (data_now: this run's data settings) unless new_data: then the epoch plan starts afresh, said once."""
-    try:
-        saved = ckpt["model_config"]
-        as_list = lambda v: list(v) if isinstance(v, (tuple, list)) else v  # noqa: E731
-        changed = [k for k, v in asdict(mc).items() if as_list(saved.get(k)) != as_list(v)]
-        states = (ckpt["model"], ckpt["ema"], ckpt["optimizer"], dict(ckpt["loader"]), ckpt["rng"],
-                  ckpt["step"])
-    except (KeyError, TypeError, AttributeError) as e:
-        raise UserError(f"{path} is not a resumable ddpm checkpoint (no {e})") from None
-    if changed:
-        raise UserError(f"--resume: the model config differs from the checkpoint's in {', '.join(changed)}")
-    other_data = data_changes(ckpt, data_now or {})
-    if other_data and not new_data:
-        raise UserError(f"--resume: the data differ from the checkpoint's ({'; '.join(other_data)}); "
-                        "pass --resume_new_data to train on them from a new epoch plan")
-    model_state, ema_state, opt_state, position, rng, step = states
-    model.load_state_dict(model_state)
-    ema.load_state_dict(ema_state)
-    opt.load_state_dict(opt_state)
-    # fp16's loss scale goes on where it was: resume stays bitwise
-    if scaler is not None and ckpt.get("scaler"):
-        scaler.load_state_dict(ckpt["scaler"])
-    saved_world = ckpt.get("world_size", 1)
-    if saved_world != world:  # the position counts per-rank images: keep the same place in the epoch
-        per_rank = position["index"] * saved_world // world
-        position["index"] = per_rank - per_rank % loader.batch_size
-        print(f"note: resuming {saved_world}-process training with {world}: the same epoch and place in it, "
-              "but not bitwise the run it would have been")
-    if other_data:
-        print(f"note: training on other data than the checkpoint's ({'; '.join(other_data)}), as "
-              "--resume_new_data asks: a new epoch plan starts here")
-    else:
-        loader.load_state_dict(position)
-    torch.set_rng_state(rng["torch"])
-    if torch.cuda.is_available() and rng["cuda"]:
-        torch.cuda.set_rng_state_all(rng["cuda"])
-    return step
 
 
 # -----------------------------------------------------------------------------

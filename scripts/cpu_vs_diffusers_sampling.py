@@ -14,7 +14,7 @@ ending in uint8 images on the host, as each side's user gets them:
   theirs ddim bf16   the same call under torch.autocast('cpu', bfloat16) (a UNet cast to bf16 breaks their
                      pipeline: its scheduler arithmetic meets bf16 tensors).
   theirs ddpm fp32 / bf16   DDPMPipeline likewise (ancestral, respaced to --steps).
-  ours ddim / ddpm   Diffusion.sample(sampler=...) as sample.py runs it (sample.sampling_network, each
+  ours ddim / ddpm   ddpm.sample(sampler=...) as sample.py runs it (sampling.sampling_network, each
                      image's noise from its own generator): autocast at --precision=auto (bf16 on
                      AVX512-BF16 CPUs) over bf16 conv and dense weights, no gradient state, then to uint8.
   ours ... compiled  the same with sample.py --compile default: each sampler step compiled whole
@@ -83,17 +83,17 @@ def build_ours(ours, mc, sampler, precision, batch, steps, compile="false", devi
     """-> a step drawing one batch to uint8 as sample.py does, --compile `compile` (false: eager)."""
     import ddpm
     import evaluate
-    import sample
+    import sampling
 
     diffusion = ddpm.Diffusion(mc).to(device)
     options = argparse.Namespace(compile=compile, guidance=1.0)
     # a copy: sampling_network stores the weights in bf16 (and channels_last when compiling)
-    net, capture = sample.sampling_network(options, copy.deepcopy(ours).to(device), mc, device, precision)
+    net, capture = sampling.sampling_network(options, copy.deepcopy(ours).to(device), mc, device, precision)
     shape = (batch, mc.channels, mc.image_size, mc.image_size)
 
     def step():
-        x = diffusion.sample(net, shape, sampler=sampler, steps=steps, capture=capture,
-                             noise=sample.ImageNoise(0, range(batch)))
+        x = ddpm.sample(diffusion, net, shape, sampler=sampler, steps=steps, capture=capture,
+                             noise=sampling.ImageNoise(0, range(batch)))
         return evaluate.to_uint8(x).permute(0, 2, 3, 1).cpu().numpy()
 
     return step

@@ -55,9 +55,9 @@ def parse_args(argv):
 
 def open_device(name):
     """The device (made current on a GPU, for StepTimer's events and syncs); a bad name raises UserError."""
-    import runs
+    import group
 
-    device = runs.resolve_device(name)  # a bad name: its UserError
+    device = group.resolve_device(name)  # a bad name: its UserError
     if device.type == "cuda":
         # StepTimer's events and syncs use the current device; 'cuda' alone names the current one (torch 2.11
         # refuses a device without an index here)

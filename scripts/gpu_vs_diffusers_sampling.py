@@ -7,7 +7,7 @@ DDIMPipeline on the very same network and weights (issue 25).
 
 The rows are scripts/cpu_vs_diffusers_sampling.py's, built on --device. Theirs: DDIMPipeline (eta 0, linear
 betas, 1000 steps) with UNet2DModel in fp32 ('fp32') or under bf16 autocast ('bf16'). Ours: sample.py's
-network (sample.sampling_network: bf16 weights under autocast, --precision=auto) and Diffusion.sample's DDIM,
+network (sampling.sampling_network: bf16 weights under autocast, --precision=auto) and ddpm.sample's DDIM,
 each image's noise from its own generator, with sample.py's --compile false ('eager'), default
 ('compiled') or reduce-overhead ('graphed': the whole sampler step replayed as CUDA graphs); 'fp32 eager' and
 'fp32 graphed' in fp32. One timed step = one batch of --batch images through --steps steps, ending in uint8
@@ -32,7 +32,6 @@ from cpu_vs_diffusers_sampling import build_ours, build_theirs, networks
 from gpu_vs_diffusers import environment, open_device, peak_flops, profile_rows, run_rows, save
 
 import numpy as np
-import torch
 
 # ours: name -> (precision, sample.py --compile)
 OURS = {"eager": ("auto", "false"), "compiled": ("auto", "default"), "graphed": ("auto", "reduce-overhead"),

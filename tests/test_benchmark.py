@@ -5,6 +5,7 @@ import pytest
 import torch
 from conftest import tiny_model
 
+import ladder
 import benchmark
 import ddpm
 from mfu import train_flops_per_image
@@ -52,7 +53,7 @@ def test_cpu_ladder_rows_are_well_formed(tmp_path):
                     "--json", str(out)])
     result = json.load(open(out))
     names = [r["version"] for r in result["rows"]]
-    assert names == [name.replace("patch_size P", "patch_size 2") for name, _ in benchmark.LADDER]
+    assert names == [name.replace("patch_size P", "patch_size 2") for name, _ in ladder.LADDER]
     ran = [r for r in result["rows"] if "skipped" not in r]
     assert ran[0]["version"] == "baseline" and ran[0]["speedup"] == 1.0 and ran[0]["batch"] == 4
     assert ran[0]["precision"] == "fp32" and ran[0]["attention"] == "math" and ran[0]["loader"] == "dataloader"
@@ -79,9 +80,9 @@ def test_fp16_rows_step_through_the_loss_scaler(monkeypatch):
     real = ddpm.build
     monkeypatch.setattr(ddpm, "build", lambda *a, **kw: built.append(real(*a, **kw)) or built[-1])
     mc = tiny_model()
-    row = dict(benchmark.LADDER[0][1], precision="fp16", attention="sdpa", loader="resident")
+    row = dict(ladder.LADDER[0][1], precision="fp16", attention="sdpa", loader="resident")
     images, labels, _ = data.shapes(64, mc.image_size)
-    ms, mem, prof = benchmark.time_steps(mc, row, 4, torch.device("cpu"), images, labels, None, warmup=1, iters=2)
+    ms, mem, prof = ladder.time_steps(mc, row, 4, torch.device("cpu"), images, labels, None, warmup=1, iters=2)
     assert ms > 0 and mem is None and prof is None
     scalers = [b.scaler for b in built]
     assert len(scalers) == 1 and scalers[0].get_scale() == 2.0**16  # no overflow in 3 steps: scale unchanged
@@ -121,10 +122,10 @@ def test_batch_search_doubles_until_the_first_out_of_memory(monkeypatch):
             raise torch.cuda.OutOfMemoryError("out of memory")
         return 1.0, None, None
 
-    monkeypatch.setattr(benchmark, "time_steps", fake_time_steps)
+    monkeypatch.setattr(ladder, "time_steps", fake_time_steps)
     row = {"compile": True, "loader": "ffcv", "precision": "bf16", "attention": "sdpa"}
     images, labels = torch.zeros(256, 3, 16, 16, dtype=torch.uint8), torch.zeros(256, dtype=torch.long)
-    assert benchmark.largest_batch(tiny_model(), row, torch.device("cpu"), images, labels, 128, 16384) == 512
+    assert ladder.largest_batch(tiny_model(), row, torch.device("cpu"), images, labels, 128, 16384) == 512
     assert [b for b, _, _ in tried] == [128, 256, 512, 1024]
     # eager, batches from host memory (more images are drawn when a batch outgrows them)
     assert all(not compiled and loader == "host" for _, compiled, loader in tried)
@@ -141,7 +142,7 @@ def test_a_ladder_cut_short_keeps_and_prints_its_rows(tmp_path, monkeypatch, cap
             raise KeyboardInterrupt
         return 100.0 / len(calls), None, None
 
-    monkeypatch.setattr(benchmark, "time_steps", fake_time_steps)
+    monkeypatch.setattr(ladder, "time_steps", fake_time_steps)
     out = tmp_path / "cut.json"
     with pytest.raises(SystemExit) as e:
         benchmark.main(["--preset", "demo", "--device", "cpu", "--json", str(out)])
@@ -157,9 +158,9 @@ def test_batch_search_says_when_not_even_the_first_batch_fits(monkeypatch):
     def oom(*args, **kw):
         raise torch.cuda.OutOfMemoryError("out of memory")
 
-    monkeypatch.setattr(benchmark, "time_steps", oom)
+    monkeypatch.setattr(ladder, "time_steps", oom)
     with pytest.raises(RuntimeError, match="even batch 128 does not fit"):  # the ladder's row records it as skipped
-        benchmark.largest_batch(tiny_model(), {}, torch.device("cpu"), torch.zeros(512, 3, 16, 16, dtype=torch.uint8),
+        ladder.largest_batch(tiny_model(), {}, torch.device("cpu"), torch.zeros(512, 3, 16, 16, dtype=torch.uint8),
                                 torch.zeros(512, dtype=torch.long), 128, 16384)
 
 
@@ -212,7 +213,7 @@ def test_an_unknown_row_name_is_one_line(capsys, flag):
 
 
 def test_rows_without_the_baseline_start_from_it(monkeypatch, tmp_path):
-    monkeypatch.setattr(benchmark, "time_steps", lambda *a, **kw: (10.0, None, None))
+    monkeypatch.setattr(ladder, "time_steps", lambda *a, **kw: (10.0, None, None))
     out = tmp_path / "rows.json"
     benchmark.main(["--preset", "demo", "--device", "cpu", "--rows", "PyTorch SDPA", "--json", str(out)])
     ran = [r for r in json.load(open(out))["rows"] if "skipped" not in r]
@@ -232,6 +233,6 @@ def test_a_ladder_row_times_the_iteration_train_runs(monkeypatch):
                         lambda b, x0, y, tc, step, *a: seen.append(step) or real(b, x0, y, tc, step, *a))
     mc = tiny_model()
     images, labels, _ = data.shapes(64, mc.image_size)
-    row = dict(benchmark.LADDER[0][1], attention="sdpa", loader="resident")
-    benchmark.time_steps(mc, row, 4, torch.device("cpu"), images, labels, None, warmup=1, iters=2)
+    row = dict(ladder.LADDER[0][1], attention="sdpa", loader="resident")
+    ladder.time_steps(mc, row, 4, torch.device("cpu"), images, labels, None, warmup=1, iters=2)
     assert seen == [0, 1, 2]

@@ -8,7 +8,7 @@ import torch
 from conftest import tiny_model
 
 import ddpm
-from ddpm import Diffusion, ModelConfig, dynamic_threshold
+from ddpm import Diffusion, ModelConfig, dynamic_threshold, sample
 
 
 def test_linear_schedule_matches_closed_form():
@@ -125,7 +125,7 @@ def test_ddpm_matches_algorithm_2():
     for variance in ("large", "small"):
         d = Diffusion(ModelConfig(timesteps=50, reverse_variance=variance))
         shape = (4, 3, 4, 4)
-        ours = d.sample(eps_model, shape, generator=torch.Generator().manual_seed(3), threshold="none")
+        ours = sample(d, eps_model, shape, generator=torch.Generator().manual_seed(3), threshold="none")
         g = torch.Generator().manual_seed(3)
         b = d.betas
         ab = d.alpha_bar
@@ -141,7 +141,7 @@ def test_ddpm_matches_algorithm_2():
 def test_ddim_matches_song_eq_12():
     d = Diffusion(ModelConfig(timesteps=100))
     shape = (4, 3, 4, 4)
-    ours = d.sample(eps_model, shape, sampler="ddim", steps=10, generator=torch.Generator().manual_seed(5), threshold="none")
+    ours = sample(d, eps_model, shape, sampler="ddim", steps=10, generator=torch.Generator().manual_seed(5), threshold="none")
     x = torch.randn(shape, generator=torch.Generator().manual_seed(5)).double()
     seq = d.timestep_sequence(10)
     ab = d.alpha_bar
@@ -164,7 +164,7 @@ def test_samplers_recover_gaussian_data(sampler, steps, variance):
         ab = d.alpha_bar[t].view(-1, 1, 1, 1).float()
         return mu + ab.sqrt() * s**2 / (ab * s**2 + 1 - ab) * (z - ab.sqrt() * mu)
 
-    x = d.sample(x0_model, (20000, 1, 1, 1), sampler=sampler, steps=steps, generator=torch.Generator().manual_seed(0))
+    x = sample(d, x0_model, (20000, 1, 1, 1), sampler=sampler, steps=steps, generator=torch.Generator().manual_seed(0))
     assert x.mean().item() == pytest.approx(mu, abs=0.01)
     assert x.std().item() == pytest.approx(s, rel=0.05)
 
@@ -179,14 +179,14 @@ def test_sampler_determinism_and_guidance_identity():
         return torch.sin(z + y.view(-1, 1, 1, 1).float())
 
     y = torch.arange(4)
-    a = d.sample(model, (4, 3, 16, 16), sampler="ddim", steps=5, y=y, generator=torch.Generator().manual_seed(1))
-    b = d.sample(model, (4, 3, 16, 16), sampler="ddim", steps=5, y=y, guidance=1.0, generator=torch.Generator().manual_seed(1))
-    c = d.sample(model, (4, 3, 16, 16), sampler="ddim", steps=5, y=y, generator=torch.Generator().manual_seed(2))
+    a = sample(d, model, (4, 3, 16, 16), sampler="ddim", steps=5, y=y, generator=torch.Generator().manual_seed(1))
+    b = sample(d, model, (4, 3, 16, 16), sampler="ddim", steps=5, y=y, guidance=1.0, generator=torch.Generator().manual_seed(1))
+    c = sample(d, model, (4, 3, 16, 16), sampler="ddim", steps=5, y=y, generator=torch.Generator().manual_seed(2))
     assert torch.equal(a, b) and not torch.equal(a, c)
     assert a.min() >= -1 and a.max() <= 1
     assert set(calls) == {4}  # w = 1 never evaluates the unconditional branch
     calls.clear()
-    d.sample(model, (4, 3, 16, 16), sampler="ddim", steps=5, y=y, guidance=2.0, generator=torch.Generator().manual_seed(1))
+    sample(d, model, (4, 3, 16, 16), sampler="ddim", steps=5, y=y, guidance=2.0, generator=torch.Generator().manual_seed(1))
     assert set(calls) == {8}  # guided: conditional and null-class halves in one batch
 
 
@@ -201,9 +201,9 @@ def test_dpm_solver_at_20_steps_recovers_gaussian_data_like_ddpm_at_1000():
     mu, s = 0.3, 0.2
     d = Diffusion(ModelConfig(prediction="x"))
     model = gaussian_denoiser(d, mu, s)
-    dpm = d.sample(model, (20000, 1, 1, 1), sampler="dpm++", steps=20, generator=torch.Generator().manual_seed(0))
-    ddpm = d.sample(model, (20000, 1, 1, 1), sampler="ddpm", generator=torch.Generator().manual_seed(0))
-    for x in (dpm, ddpm):
+    dpm = sample(d, model, (20000, 1, 1, 1), sampler="dpm++", steps=20, generator=torch.Generator().manual_seed(0))
+    ancestral = sample(d, model, (20000, 1, 1, 1), sampler="ddpm", generator=torch.Generator().manual_seed(0))
+    for x in (dpm, ancestral):
         assert x.mean().item() == pytest.approx(mu, abs=0.01)
         assert x.std().item() == pytest.approx(s, rel=0.03)
 
@@ -213,7 +213,7 @@ def test_dpm_solver_matches_lu_et_al_written_out():
     d = Diffusion(ModelConfig(timesteps=200, prediction="x"))
     model = lambda z, t, y: 0.5 * torch.tanh(z) * (1 - t.view(-1, 1, 1, 1).to(z.dtype) / 400)  # noqa: E731
     shape = (3, 2, 4, 4)
-    ours = d.sample(model, shape, sampler="dpm++", steps=12, threshold="none", generator=torch.Generator().manual_seed(7))
+    ours = sample(d, model, shape, sampler="dpm++", steps=12, threshold="none", generator=torch.Generator().manual_seed(7))
     ts = d.timestep_sequence(12, spacing="logsnr")
     ab = d.alpha_bar
     alpha, sigma = ab.sqrt(), (1 - ab).sqrt()
@@ -238,8 +238,8 @@ def test_dpm_solver_matches_lu_et_al_written_out():
 def test_first_dpm_solver_step_is_ddim():
     d = Diffusion(ModelConfig(timesteps=100))
     g = lambda: torch.Generator().manual_seed(2)  # noqa: E731
-    a = d.sample(eps_model, (2, 3, 4, 4), sampler="dpm++", steps=2, generator=g())
-    b = d.sample(eps_model, (2, 3, 4, 4), sampler="ddim", steps=2, generator=g())
+    a = sample(d, eps_model, (2, 3, 4, 4), sampler="dpm++", steps=2, generator=g())
+    b = sample(d, eps_model, (2, 3, 4, 4), sampler="ddim", steps=2, generator=g())
     torch.testing.assert_close(a, b)
 
 
@@ -279,7 +279,7 @@ def test_split_experts_train_and_sample_only_their_timesteps():
     calls = []
     routed = SplitModel(lambda z, t, y: calls.append(("low", t.max().item())) or torch.zeros_like(z),
                         lambda z, t, y: calls.append(("high", t.min().item())) or torch.zeros_like(z), 300)
-    high.sample(routed, (2, 1, 2, 2), sampler="ddim", steps=10)
+    sample(high, routed, (2, 1, 2, 2), sampler="ddim", steps=10)
     assert all((part == "low") == (t < 300) for part, t in calls) and {p for p, _ in calls} == {"low", "high"}
 
 
@@ -302,7 +302,7 @@ def test_heun_solves_the_gaussian_probability_flow_ode_to_second_order():
         for steps in (20, 40):
             calls = []
             model = lambda z, t, y: calls.append(1) or denoiser(z, t, y)  # noqa: E731
-            x = d.sample(model, shape, sampler=sampler, steps=steps, threshold="none",
+            x = sample(d, model, shape, sampler=sampler, steps=steps, threshold="none",
                          generator=torch.Generator().manual_seed(0))
             ts = d.timestep_sequence(steps, spacing=ddpm.SAMPLERS[sampler].spacing)
             exact = heun_closed_form(d, torch.randn(shape, generator=torch.Generator().manual_seed(0)), ts, mu, s)
@@ -331,15 +331,15 @@ def test_a_registered_sampler_is_a_valid_choice_everywhere(monkeypatch):
         """Returns the first x̂₀: one network call."""
         return denoise(z, ts[0])[0]
 
-    monkeypatch.setitem(ddpm.SAMPLERS, "first", ddpm.Sampler(first_guess, "time", "one call"))
+    monkeypatch.setitem(ddpm.SAMPLERS, "first", ddpm.Sampler(first_guess, "time", "one call", 5, None))
     d = Diffusion(tiny_model())
     calls = []
-    x = d.sample(lambda z, t, y: calls.append(1) or torch.zeros_like(z), (2, 3, 16, 16), sampler="first",
+    x = sample(d, lambda z, t, y: calls.append(1) or torch.zeros_like(z), (2, 3, 16, 16), sampler="first",
                  steps=5, threshold="none")
     assert len(calls) == 1 and x.shape == (2, 3, 16, 16)
     ddpm.validate(tiny_model(), ddpm.TrainerConfig(sampler="first"))
     with pytest.raises(ValueError, match="unknown sampler 'nope'"):
-        d.sample(lambda z, t, y: z, (1, 3, 16, 16), sampler="nope")
+        sample(d, lambda z, t, y: z, (1, 3, 16, 16), sampler="nope")
 
 
 def test_the_readme_sampler_table_is_the_registry():
@@ -349,6 +349,10 @@ def test_the_readme_sampler_table_is_the_registry():
     from conftest import ROOT
 
     readme = open(os.path.join(ROOT, "README.md")).read()
-    table = readme.split("| `--sampler` | what |\n|---|---|\n", 1)[1].split("\n\n", 1)[0]
-    rows = dict(re.findall(r"^\| `([^`]+)` \| (.+) \|$", table, re.M))
-    assert rows == {name: s.summary for name, s in ddpm.SAMPLERS.items()}
+    table = readme.split("| `--sampler` | default steps | eta | what |\n|---|---|---|---|\n", 1)[1]
+    rows = {r[0]: r[1:] for r in re.findall(r"^\| `([^`]+)` \| ([^|]+) \| ([^|]+) \| (.+) \|$",
+                                              table.split("\n\n", 1)[0], re.M)}
+
+    def cells(s):
+        return (str(s.steps) if s.steps else "all T", "none" if s.eta is None else f"{s.eta:g}", s.summary)
+    assert rows == {name: cells(s) for name, s in ddpm.SAMPLERS.items()}

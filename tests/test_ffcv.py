@@ -8,8 +8,10 @@ import torch
 from conftest import one_line_error
 from PIL import Image
 
+import beton
 import data
-from data import FFCVLoader, Loader, beton_for, make_loader, shapes, write_beton
+from beton import write_beton
+from data import FFCVLoader, Loader, beton_for, make_loader, shapes
 from data import main as data_main
 
 pytest.importorskip("ffcv", reason="ffcv is not installed (make setup installs it)")
@@ -72,7 +74,7 @@ def test_folder_beton_changes_with_the_files(tmp_path):
 
 
 def test_fallback_to_torch_loader_when_ffcv_is_missing(monkeypatch, capsys):
-    monkeypatch.setattr(data, "ffcv_available", lambda: False)
+    monkeypatch.setattr(beton, "ffcv_available", lambda: False)
     loader, k = make_loader("ffcv", "shapes", "unused", 8, 16, 0, "cpu", shapes_count=64)
     assert isinstance(loader, Loader) and not isinstance(loader, FFCVLoader) and k == 4
     assert "ffcv cannot be imported" in capsys.readouterr().out

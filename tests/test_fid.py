@@ -10,7 +10,7 @@ import scipy.linalg
 import torch
 from conftest import one_line_error, read_metrics, tiny_model, tiny_trainer
 
-import evaluate
+import fid
 import sample
 from ddpm import train
 from errors import UserError
@@ -47,32 +47,32 @@ def test_frechet_distance_matches_scipy():
     rng = np.random.default_rng(0)
     x = rng.normal(size=(500, 12))
     y = rng.normal(size=(400, 12)) @ rng.normal(size=(12, 12)) * 0.5 + 0.3
-    mu1, s1 = evaluate.mean_cov(torch.from_numpy(x))
-    mu2, s2 = evaluate.mean_cov(torch.from_numpy(y))
+    mu1, s1 = fid.mean_cov(torch.from_numpy(x))
+    mu2, s2 = fid.mean_cov(torch.from_numpy(y))
     np.testing.assert_allclose(s1, np.cov(x, rowvar=False), rtol=1e-10)
-    assert evaluate.frechet_distance(mu1, s1, mu2, s2) == pytest.approx(reference_fid(x, y), rel=1e-6)
-    assert evaluate.frechet_distance(mu1, s1, mu1, s1) == pytest.approx(0, abs=1e-6)
+    assert fid.frechet_distance(mu1, s1, mu2, s2) == pytest.approx(reference_fid(x, y), rel=1e-6)
+    assert fid.frechet_distance(mu1, s1, mu1, s1) == pytest.approx(0, abs=1e-6)
 
 
 def test_reference_stats_are_cached_and_fid_of_the_data_itself_is_zero(tmp_path):
     ext = TinyFeatures()
-    ref = evaluate.reference_stats(ext, "shapes", "unused", 16, 96, "cpu", cache_dir=str(tmp_path), batch=32)
+    ref = fid.reference_stats(ext, "shapes", "unused", 16, 96, "cpu", cache_dir=str(tmp_path), batch=32)
     assert ext.calls == 3 and ref["features"].shape == (96, 16) and int(ref["n"]) == 96
     files = os.listdir(tmp_path)
     assert len(files) == 1 and files[0].startswith("shapes-train-16px-n96-tiny")
-    again = evaluate.reference_stats(ext, "shapes", "unused", 16, 96, "cpu", cache_dir=str(tmp_path))
+    again = fid.reference_stats(ext, "shapes", "unused", 16, 96, "cpu", cache_dir=str(tmp_path))
     assert ext.calls == 3  # read from the cache
     np.testing.assert_array_equal(again["sigma"], ref["sigma"])
 
     import data
 
     images, _, _ = data.load_dataset("shapes", "unused", 16, 96)
-    same = evaluate.fid_metrics(*evaluate.features(ext, images.split(40), "cpu"), ref)
+    same = fid.fid_metrics(*fid.features(ext, images.split(40), "cpu"), ref)
     assert same["fid"] == pytest.approx(0, abs=1e-4)
     assert same["precision"] == same["recall"] == 1.0  # every point lies in its own k-NN ball
     assert 1 <= same["inception_score"] <= 10
     noise = torch.randint(0, 256, (96, 3, 16, 16), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
-    other = evaluate.fid_metrics(*evaluate.features(ext, noise.split(40), "cpu"), ref)
+    other = fid.fid_metrics(*fid.features(ext, noise.split(40), "cpu"), ref)
     assert other["fid"] > 100 * max(same["fid"], 1e-3) and other["precision"] < 0.5
 
 
@@ -85,14 +85,14 @@ def test_offline_inception_is_one_clear_line(tmp_path, monkeypatch):
 
     monkeypatch.setattr(torch.hub, "download_url_to_file", offline)
     with pytest.raises(UserError, match=r"offline, place https://\S+weights-inception\S+\.pth at \S+checkpoints"):
-        evaluate.inception("cpu")
+        fid.inception("cpu")
     (tmp_path / "checkpoints" / "weights-inception-2015-12-05-6726825d.pth").write_bytes(b"truncated")
     with pytest.raises(UserError, match="is not the Inception weights file"):
-        evaluate.inception("cpu")
+        fid.inception("cpu")
 
 
 def test_sample_eval_fid_writes_all_metrics(run_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr(evaluate, "inception", lambda device, weights=None: TinyFeatures())
+    monkeypatch.setattr(fid, "inception", lambda device, weights=None: TinyFeatures())
     out = tmp_path / "fid" / "s.png"
     result = sample.main(["--ckpt", str(run_dir / "ema.pt"), "--eval", "fid", "--n", "24", "--batch", "12",
                           "--steps", "3", "--stats_dir", str(tmp_path / "stats"), "--out", str(out)])
@@ -115,7 +115,7 @@ def test_sample_eval_fid_offline_is_one_line(run_dir, tmp_path, capsys, monkeypa
 
 
 def test_training_logs_fid_and_bpd(tmp_path, monkeypatch):
-    monkeypatch.setattr(evaluate, "inception", lambda device, weights=None: TinyFeatures())
+    monkeypatch.setattr(fid, "inception", lambda device, weights=None: TinyFeatures())
     tc = tiny_trainer(tmp_path / "run", max_steps=4, eval_every_steps=2, eval_fid_samples=12, eval_sample_steps=2,
                       eval_bpd_images=6, eval_bpd_strata=2, fid_stats_dir=str(tmp_path / "stats"))
     train(tiny_model(), tc, preset="test")
@@ -130,14 +130,14 @@ def test_training_eval_fails_before_training_when_offline(tmp_path, monkeypatch)
     def offline(device, weights=None):
         raise UserError("cannot download the Inception weights")
 
-    monkeypatch.setattr(evaluate, "inception", offline)
+    monkeypatch.setattr(fid, "inception", offline)
     with pytest.raises(UserError, match="Inception"):
         train(tiny_model(), tiny_trainer(tmp_path / "run", eval_every_steps=2), preset="test")
     assert not os.path.exists(tmp_path / "run" / "ckpt.pt")
 
 
 def test_the_real_inception_network_runs_offline_with_local_weights(tmp_path, monkeypatch):
-    """torch-fidelity's InceptionV3 through evaluate.inception, from a weights file placed where the offline
+    """torch-fidelity's InceptionV3 through fid.inception, from a weights file placed where the offline
     message says (random weights here: no download), on CIFAR-sized uint8 images."""
     fe = pytest.importorskip("torch_fidelity.feature_extractor_inceptionv3")
     with monkeypatch.context() as m:  # build the network once without weights, to write a file of the right shape
@@ -148,8 +148,8 @@ def test_the_real_inception_network_runs_offline_with_local_weights(tmp_path, mo
     path.parent.mkdir()
     torch.save(net.state_dict(), path)
     monkeypatch.setattr(torch.hub, "get_dir", lambda: str(tmp_path))
-    extractor = evaluate.inception("cpu")
+    extractor = fid.inception("cpu")
     assert extractor.name == "inception-v3-compat"
     images = torch.randint(0, 256, (3, 3, 32, 32), dtype=torch.uint8)
-    feats, logits = evaluate.features(extractor, [images[:2], images[2:]], "cpu")
+    feats, logits = fid.features(extractor, [images[:2], images[2:]], "cpu")
     assert feats.shape == (3, 2048) and logits.shape == (3, 1008) and torch.isfinite(feats).all()

@@ -19,6 +19,10 @@ from PIL import Image
 from test_fid import TinyFeatures
 from test_survive import free_port
 
+import fid
+import sampling
+import files
+import shards
 import ddpm
 import evaluate
 import sample
@@ -27,9 +31,9 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # two processes on two cores; the 
 # sample.py in a subprocess, with the small feature extractor of test_fid in place of InceptionV3
 LAUNCHER = f"""import sys
 sys.path[:0] = [{ROOT!r}, {os.path.join(ROOT, 'tests')!r}]
-import evaluate, sample
+import fid, sample
 from test_fid import TinyFeatures
-evaluate.inception = lambda device, weights=None: TinyFeatures()
+fid.inception = lambda device, weights=None: TinyFeatures()
 sample.main(sys.argv[1:])
 """
 
@@ -54,36 +58,36 @@ def launch(tmp_path, argv, world=1, **kw):
 def test_each_image_has_its_own_noise_and_one_image_is_diffusion_sample(run_dir):
     """Row j of ImageNoise is image indices[j]'s own stream, whatever else is in the batch; and one image
     drawn with noise=ImageNoise is Diffusion.sample's with that image's generator, bit for bit."""
-    noise3, noise1 = sample.ImageNoise(7, [4, 5, 6]), sample.ImageNoise(7, [5])
+    noise3, noise1 = sampling.ImageNoise(7, [4, 5, 6]), sampling.ImageNoise(7, [5])
     for _ in range(3):  # z_T, then two steps' draws: each image's in its own order
         assert torch.equal(noise3((3, 3, 4, 4))[1], noise1((1, 3, 4, 4))[0])
-    assert sample.image_seed(0, 1) != sample.image_seed(1, 0) and 0 <= sample.image_seed(2**63 - 1, 10**9) < 2**63
+    assert sampling.image_seed(0, 1) != sampling.image_seed(1, 0) and 0 <= sampling.image_seed(2**63 - 1, 10**9) < 2**63
     model, mc, _ = ddpm.load_ema(str(run_dir / "ema.pt"), "cpu")
     diffusion = ddpm.Diffusion(mc)
     for sampler, eta in (("ddpm", 0.0), ("ddim", 0.5), ("heun", 0.0)):
         kw = dict(sampler=sampler, steps=4, y=torch.tensor([2]), guidance=1.5, eta=eta, threshold="dynamic",
                   percentile=0.9)
-        ours = diffusion.sample(model, (1, 3, 16, 16), noise=sample.ImageNoise(3, [9]), **kw)
-        theirs = diffusion.sample(model, (1, 3, 16, 16), generator=torch.Generator().manual_seed(
-            sample.image_seed(3, 9)), **kw)
+        ours = ddpm.sample(diffusion, model, (1, 3, 16, 16), noise=sampling.ImageNoise(3, [9]), **kw)
+        theirs = ddpm.sample(diffusion, model, (1, 3, 16, 16), generator=torch.Generator().manual_seed(
+            sampling.image_seed(3, 9)), **kw)
         assert torch.equal(ours, theirs), sampler
 
 
-@pytest.mark.parametrize("sampler,steps", [("ddpm", 6), ("ddim", 4)])
-def test_images_are_the_same_for_any_batch(run_dir, tmp_path, sampler, steps):
+@pytest.mark.parametrize("sampler,steps,eta", [("ddpm", 6, ()), ("ddim", 4, ("--eta", "0.5"))])
+def test_images_are_the_same_for_any_batch(run_dir, tmp_path, sampler, steps, eta):
     """Image i comes from (seed, i) alone: --batch 1, 3 and 8 draw the same 8 images, labels cycling."""
     runs = {}
     for batch in (1, 3, 8):
         out = tmp_path / f"b{batch}.png"
         sample.main(common(run_dir, out, "--n", "8", "--batch", str(batch), "--sampler", sampler, "--steps",
-                           str(steps), "--eta", "0.5", "--device", "cpu", "--seed", "5"))
+                           str(steps), *eta, "--device", "cpu", "--seed", "5"))
         runs[batch] = np.load(tmp_path / f"b{batch}.npz")
     assert runs[1]["arr_0"].std() > 0 and runs[1]["arr_1"].tolist() == [0, 1, 2, 3, 0, 1, 2, 3]
     for batch in (3, 8):
         assert np.array_equal(runs[batch]["arr_0"], runs[1]["arr_0"]), batch
         assert np.array_equal(runs[batch]["arr_1"], runs[1]["arr_1"])
     other = tmp_path / "seed6.png"
-    sample.main(common(run_dir, other, "--n", "8", "--sampler", sampler, "--steps", str(steps), "--eta", "0.5",
+    sample.main(common(run_dir, other, "--n", "8", "--sampler", sampler, "--steps", str(steps), *eta,
                        "--device", "cpu", "--seed", "6"))
     assert not np.array_equal(np.load(tmp_path / "seed6.npz")["arr_0"], runs[1]["arr_0"])
 
@@ -120,7 +124,7 @@ def test_an_interrupted_run_continues_to_the_same_npz(run_dir, tmp_path, capsys,
     and writes the .npz a straight run writes, byte for byte."""
     argv = common(run_dir, tmp_path / "cut.png", "--n", "10", "--batch", "3", "--shard_size", "2",
                   "--sampler", "ddpm", "--steps", "5")
-    real, saved = sample.save_shard, []
+    real, saved = shards.save, []
 
     def interrupted(plan, k, *args):
         if len(saved) == 2:
@@ -128,10 +132,10 @@ def test_an_interrupted_run_continues_to_the_same_npz(run_dir, tmp_path, capsys,
         saved.append(k)
         real(plan, k, *args)
 
-    monkeypatch.setattr(sample, "save_shard", interrupted)
+    monkeypatch.setattr(shards, "save", interrupted)
     err = one_line_error(capsys, sample.main, argv, code=1)
     assert "stopped by a signal" in err and "cut.shards" in err
-    monkeypatch.setattr(sample, "save_shard", real)
+    monkeypatch.setattr(shards, "save", real)
     assert sorted(os.listdir(tmp_path / "cut.shards")) == ["manifest.json", "shard-000000.npz", "shard-000001.npz"]
     assert not (tmp_path / "cut.npz").exists()
     resumed = sample.main(argv)
@@ -237,7 +241,7 @@ def test_the_npz_is_written_shard_by_shard(tmp_path):
 
     tracemalloc.start()
     try:
-        sample.write_npz(str(tmp_path / "a.npz"), (160, 256, 256, 3), chunks())
+        files.write_npz(str(tmp_path / "a.npz"), (160, 256, 256, 3), chunks())
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -245,7 +249,7 @@ def test_the_npz_is_written_shard_by_shard(tmp_path):
     z = np.load(tmp_path / "a.npz")
     assert z["arr_0"].shape == (160, 256, 256, 3) and (z["arr_0"][::16, 0, 0, 0] == np.arange(10)).all()
     assert z["arr_1"].tolist() == [k for k in range(10) for _ in range(16)]
-    sample.write_npz(str(tmp_path / "b.npz"), (160, 256, 256, 3), chunks())
+    files.write_npz(str(tmp_path / "b.npz"), (160, 256, 256, 3), chunks())
     assert (tmp_path / "a.npz").read_bytes() == (tmp_path / "b.npz").read_bytes()
 
 
@@ -253,7 +257,7 @@ def test_the_npz_is_written_shard_by_shard(tmp_path):
 
 
 def test_the_result_records_the_protocol(run_dir, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(evaluate, "inception", lambda device, weights=None: TinyFeatures())
+    monkeypatch.setattr(fid, "inception", lambda device, weights=None: TinyFeatures())
     result = sample.main(common(run_dir, tmp_path / "s.png", "--eval", "fid", "--n", "12", "--batch", "4",
                                 "--steps", "3", "--stats_dir", str(tmp_path / "stats")))
     out = capsys.readouterr().out
@@ -263,11 +267,11 @@ def test_the_result_records_the_protocol(run_dir, tmp_path, monkeypatch, capsys)
         n=12, sampler="ddim", steps=3, guidance=1.5, threshold="static", seed=0, weights="EMA")
     assert result["checkpoint"]["step"] == 3 and result["checkpoint"]["path"] == str(run_dir / "ema.pt")
     model, _, _ = ddpm.load_ema(str(run_dir / "ema.pt"), "cpu")
-    assert result["checkpoint"]["sha256"] == sample.weights_sha256(model)
+    assert result["checkpoint"]["sha256"] == sampling.weights_sha256(model)
     ref = result["reference_stats"]
     assert (ref["dataset"], ref["split"], ref["images"], ref["image_size"]) == ("shapes", "train", 512, 16)
     with np.load(ref["cache"]) as z:
-        assert ref["sha256"] == evaluate.stats_sha256(z)
+        assert ref["sha256"] == fid.stats_sha256(z)
     assert result["inception"]["network"] == "tiny" and result["inception"]["torch_fidelity"]
     assert "per image" in result["noise"] and "biased upward" in result["fid_note"]
 
@@ -291,10 +295,10 @@ def test_local_inception_weights_are_hashed_and_a_wrong_file_is_one_line(tmp_pat
                             str(tmp_path / "inception.pth"), "--out", str(tmp_path / "r.json")])
     assert result["inception"]["weights_sha256"] == sha and result["fid"] == pytest.approx(0, abs=1e-3)
     assert json.loads((tmp_path / "r.json").read_text())["inception"]["weights_sha256"] == sha
-    assert evaluate.json_safe({"inception_score": float("nan"), "fid": 1.5, "n": 4}) == dict(
+    assert fid.json_safe({"inception_score": float("nan"), "fid": 1.5, "n": 4}) == dict(
         inception_score=None, fid=1.5, n=4)  # the offline weights' IS: null, never NaN in the .json
-    monkeypatch.setenv(evaluate.WEIGHTS_ENV, str(tmp_path / "inception.pth"))
-    assert evaluate.inception("cpu").weights_sha256 == sha
+    monkeypatch.setenv(fid.WEIGHTS_ENV, str(tmp_path / "inception.pth"))
+    assert fid.inception("cpu").weights_sha256 == sha
     torch.save({"fc.weight": torch.zeros(3, 3)}, tmp_path / "other.pth")
     for bad, needle in ((tmp_path / "other.pth", "is not the Inception weights file"),
                         (tmp_path / "x.npz", "is not the Inception weights file"),
@@ -302,9 +306,9 @@ def test_local_inception_weights_are_hashed_and_a_wrong_file_is_one_line(tmp_pat
         err = one_line_error(capsys, evaluate.main, ["--fid", str(tmp_path / "x.npz"), str(tmp_path / "x.npz"),
                                                      "--inception_weights", str(bad)])
         assert needle in err and "--inception_weights" in err
-    monkeypatch.setenv(evaluate.WEIGHTS_ENV, str(tmp_path / "other.pth"))
+    monkeypatch.setenv(fid.WEIGHTS_ENV, str(tmp_path / "other.pth"))
     err = one_line_error(capsys, evaluate.main, ["--fid", str(tmp_path / "x.npz"), str(tmp_path / "x.npz")])
-    assert f"${evaluate.WEIGHTS_ENV}" in err and "is not the Inception weights file" in err
+    assert f"${fid.WEIGHTS_ENV}" in err and "is not the Inception weights file" in err
 
 
 # ---- evaluate.py --fid A B
@@ -314,7 +318,7 @@ def test_evaluate_scores_npz_folders_and_dataset_splits(run_dir, tmp_path, monke
     """The test split against the training split is close, noise is far, a folder of PNGs scores as the
     .npz of the same images, and the reference split's statistics are cached."""
     ext = TinyFeatures()
-    monkeypatch.setattr(evaluate, "inception", lambda device, weights=None: ext)
+    monkeypatch.setattr(fid, "inception", lambda device, weights=None: ext)
     common_args = ["--image_size", "16", "--shapes_count", "256", "--stats_dir", str(tmp_path / "stats"),
                    "--batch", "64"]
     sanity = evaluate.main(["--fid", "shapes:test", "shapes:train", *common_args])
@@ -344,7 +348,7 @@ def test_evaluate_scores_npz_folders_and_dataset_splits(run_dir, tmp_path, monke
     (lambda d: (d / "empty").mkdir(), "{d}/empty", "holds no images"),
 ])
 def test_evaluate_bad_operands_are_one_line(tmp_path, capsys, monkeypatch, make, spec, needle):
-    monkeypatch.setattr(evaluate, "inception", lambda device, weights=None: TinyFeatures())
+    monkeypatch.setattr(fid, "inception", lambda device, weights=None: TinyFeatures())
     np.savez(tmp_path / "ok.npz", np.zeros((2, 8, 8, 3), np.uint8))
     if make is not None:
         make(tmp_path)

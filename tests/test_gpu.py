@@ -50,7 +50,8 @@ def test_cuda_event_timer():
 
 def test_ffcv_loader_on_the_gpu(tmp_path):
     pytest.importorskip("ffcv")
-    from data import FFCVLoader, shapes, write_beton
+    from beton import write_beton
+    from data import FFCVLoader, shapes
 
     images, labels, _ = shapes(64, 16)
     write_beton(images, labels, str(tmp_path / "s.beton"))

@@ -13,10 +13,13 @@ import pytest
 import torch
 from conftest import ROOT, TINY_ARGS, nan_after, one_line_error, read_metrics, tiny_model, tiny_trainer
 
+import beton
+import fid
+import checkpoints
+import group
 import benchmark
 import data
 import ddpm
-import evaluate
 import sample
 import runs
 from unet import UNet
@@ -54,7 +57,7 @@ def test_out_of_range_values_are_refused(arg):
 def test_a_device_this_machine_lacks_is_one_line():
     for name in ("mps", "cuda:7") if not torch.cuda.is_available() else ("mps",):
         with pytest.raises(UserError, match=f"--device={name}"):
-            runs.resolve_device(name)
+            group.resolve_device(name)
 
 
 # ---- runs end, and always keep their checkpoint
@@ -77,7 +80,7 @@ def test_a_folder_named_like_a_checkpoint(tmp_path):
     out = tmp_path / "w" / "v1.pt_runs"
     train(tiny_model(), tiny_trainer(out, max_steps=2, ckpt_every_steps=1), preset="test")
     assert {f for f in os.listdir(out) if ".pt" in f} == {"ckpt.pt", "ckpt.prev.pt", "ema.pt"}
-    assert runs.previous_path(os.path.join("runs", "v1.pt", "ckpt.pt")) == os.path.join("runs", "v1.pt", "ckpt.prev.pt")
+    assert checkpoints.previous_path(os.path.join("runs", "v1.pt", "ckpt.pt")) == os.path.join("runs", "v1.pt", "ckpt.prev.pt")
 
 
 def test_grids_before_the_first_log_line(tmp_path):
@@ -192,7 +195,7 @@ def test_benchmark_cli_refuses_in_one_line(capsys, argv, needle):
 
 # ---- data that is what it says
 
-needs_ffcv = pytest.mark.skipif(not data.ffcv_available(), reason="ffcv is not installed")
+needs_ffcv = pytest.mark.skipif(not beton.ffcv_available(), reason="ffcv is not installed")
 
 
 @needs_ffcv
@@ -226,9 +229,9 @@ def test_a_damaged_or_replaced_beton_is_one_line(tmp_path, damage, needle):
 @needs_ffcv
 def test_beton_writing_on_a_full_disk_fails_at_once_and_leaves_no_temporary_file(tmp_path, monkeypatch):
     images, labels, _ = data.shapes(64, 16)
-    monkeypatch.setattr(data.shutil, "disk_usage", lambda p: type("U", (), {"free": 1000})())
+    monkeypatch.setattr(beton.shutil, "disk_usage", lambda p: type("U", (), {"free": 1000})())
     with pytest.raises(UserError, match="MiB free"):
-        data.write_verified_beton(images, labels, 4, str(tmp_path / "x.beton"))
+        beton.write_verified_beton(images, labels, 4, str(tmp_path / "x.beton"))
     monkeypatch.undo()
     import ffcv.writer
 
@@ -240,7 +243,7 @@ def test_beton_writing_on_a_full_disk_fails_at_once_and_leaves_no_temporary_file
 
     monkeypatch.setattr(ffcv.writer.DatasetWriter, "from_indexed_dataset", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        data.write_verified_beton(images, labels, 4, str(tmp_path / "x.beton"))
+        beton.write_verified_beton(images, labels, 4, str(tmp_path / "x.beton"))
     assert os.listdir(tmp_path) == []
 
 
@@ -267,7 +270,7 @@ def test_every_image_mode_converts_to_8_bit_rgb():
 def test_a_dataset_smaller_than_the_global_batch_is_refused(monkeypatch):
     images, labels, _ = data.shapes(24, 16)
     data.Loader(images, labels, 12, 0, "cpu")  # 24 images, one process: fine
-    monkeypatch.setattr(data, "world_size", lambda: 4)  # 4 ranks of 12: a global batch of 48
+    monkeypatch.setattr(group, "rank_world", lambda: (0, 4))  # 4 ranks of 12: a global batch of 48
     with pytest.raises(UserError, match="global batch of 48 images exceeds the dataset's 24"):
         data.Loader(images, labels, 12, 0, "cpu")
 
@@ -283,7 +286,7 @@ def test_a_damaged_fid_statistics_cache_is_one_line(tmp_path):
     path = tmp_path / (data.beton_name("shapes", "", 16, 64, True).replace(".beton", "-fake.npz"))
     np.savez(path, **ref)
     extractor = type("fake", (), {"name": "fake"})()
-    assert evaluate.reference_stats(extractor, "shapes", "", 16, 64, "cpu", cache_dir=str(tmp_path))["n"] == 2
+    assert fid.reference_stats(extractor, "shapes", "", 16, 64, "cpu", cache_dir=str(tmp_path))["n"] == 2
     path.write_bytes(path.read_bytes()[:100])
     with pytest.raises(UserError, match="not readable FID reference statistics"):
-        evaluate.reference_stats(extractor, "shapes", "", 16, 64, "cpu", cache_dir=str(tmp_path))
+        fid.reference_stats(extractor, "shapes", "", 16, 64, "cpu", cache_dir=str(tmp_path))

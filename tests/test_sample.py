@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 from conftest import one_line_error, tiny_model, tiny_trainer
 
+import sampling
 import ddpm
 import sample
 from ddpm import train
@@ -147,7 +148,7 @@ def test_the_batch_fills_the_device_and_a_cpu_samples_eagerly(run_dir, tmp_path)
     """--batch 0 (the default) is CPU_BATCH on a CPU, and --compile auto leaves the CPU's step eager."""
     run = sample.main(["--ckpt", str(run_dir / "ema.pt"), "--n", "3", "--steps", "2", "--guidance", "1",
                        "--out", str(tmp_path / "a.png")])
-    assert (run["batch"], run["compile"]) == (sample.CPU_BATCH, "false")
+    assert (run["batch"], run["compile"]) == (sampling.CPU_BATCH, "false")
 
 
 def test_bf16_weights_give_the_bits_autocast_gives():
@@ -170,7 +171,7 @@ def test_bf16_weights_give_the_bits_autocast_gives():
     with torch.no_grad():
         want = ddpm.autocast_model(model, torch.device("cpu"), "bf16")(z, t, y)
         args = argparse.Namespace(compile="false", guidance=1.0)
-        net, capture = sample.sampling_network(args, model, mc, torch.device("cpu"), "bf16")
+        net, capture = sampling.sampling_network(args, model, mc, torch.device("cpu"), "bf16")
         got = net(z, t, y)
     convs = [m for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
     assert {m.weight.dtype for m in convs} == {torch.bfloat16} == {model.time_mlp[0].weight.dtype}

@@ -13,9 +13,10 @@ import pytest
 import torch
 from conftest import ROOT, TINY_ARGS, nan_after, one_line_error, read_metrics, tiny_model, tiny_trainer
 
+import beton
+import checkpoints
 import data
 import ddpm
-import runs
 from unet import UNet
 from ddpm import train
 from errors import UserError
@@ -40,7 +41,7 @@ def free_port():
 
 
 def test_two_gloo_processes_with_accumulation_equal_one_with_the_same_global_batch(tmp_path):
-    loader = "ffcv" if data.ffcv_available() else "torch"  # FFCV in its distributed mode where it is installed
+    loader = "ffcv" if beton.ffcv_available() else "torch"  # FFCV in its distributed mode where it is installed
     common = ["--num_classes=4", "--batch_size=16", "--max_steps=4", "--log_every_steps=2", f"--loader={loader}",
               f"--beton_dir={tmp_path / 'betons'}", "--sample_every_steps=2",  # grids and bits/dim, split across ranks
               "--eval_every_steps=2", "--eval_fid_samples=0", "--eval_bpd_images=12", "--eval_bpd_strata=2"]
@@ -175,7 +176,7 @@ def test_checkpoints_load_with_weights_only(tmp_path):
     evil = tmp_path / "evil.pt"
     torch.save({"x": object()}, evil)  # a pickle that weights_only refuses
     with pytest.raises(UserError, match="cannot read checkpoint"):
-        runs.load_checkpoint(str(evil), "cpu")
+        checkpoints.load_checkpoint(str(evil), "cpu")
 
 
 def test_non_finite_steps_are_skipped_and_counted(tmp_path, monkeypatch):
@@ -225,7 +226,7 @@ def test_a_full_disk_never_loses_the_previous_checkpoint(tmp_path, monkeypatch, 
 
 
 def test_a_corrupt_beton_is_one_line(tmp_path, capsys):
-    if not data.ffcv_available():
+    if not beton.ffcv_available():
         pytest.skip("ffcv is not installed")
     betons = tmp_path / "betons"
     path, _ = data.beton_for("shapes", "unused", 16, str(betons), shapes_count=256)

@@ -17,12 +17,13 @@ import pytest
 from conftest import ROOT, TINY_ARGS, one_line_error
 from PIL import Image
 
+import beton
 import data
 import ddpm
 from errors import UserError
 
 HANG_GUARD = 600  # seconds; never reached unless something blocks
-needs_ffcv = pytest.mark.skipif(not data.ffcv_available(), reason="ffcv is not installed")
+needs_ffcv = pytest.mark.skipif(not beton.ffcv_available(), reason="ffcv is not installed")
 
 
 def png(path, value=0, size=8):
@@ -279,7 +280,7 @@ def test_a_failed_beton_write_is_one_line_and_leaves_nothing(tmp_path, monkeypat
     else:
         monkeypatch.setattr(json, "dump", fail)
     with pytest.raises(UserError) as e:
-        data.write_verified_beton(images, labels, 4, path, data.provenance("shapes", "", 8, 40))
+        beton.write_verified_beton(images, labels, 4, path, data.provenance("shapes", "", 8, 40))
     target = path if stage == "beton" else path + ".json"
     assert str(e.value).startswith(f"could not write {target} ({os.strerror(code)}); ")
     assert "nothing was written" in str(e.value) and "\n" not in str(e.value)
@@ -294,7 +295,7 @@ def test_a_read_only_beton_dir_is_one_line(tmp_path, monkeypatch, capsys):
         def refuse(path):
             raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
 
-        monkeypatch.setattr(data.files, "fresh_temp", refuse)
+        monkeypatch.setattr(beton.files, "fresh_temp", refuse)
     else:
         betons.chmod(0o500)
     try:

@@ -1,0 +1,214 @@
+"""FID, Inception Score and precision/recall with torch-fidelity's InceptionV3 (the TF-FID network, ported
+bit-exactly), and the reference statistics of a dataset split, computed once and cached as an .npz.
+
+    ref = reference_stats(inception(device), "cifar10", "data", 32, 50_000, device, cache_dir)  # cached
+    fid_metrics(*features(extractor, batches, device), ref)     # {'fid', 'inception_score', 'precision', ...}
+
+Under torchrun every rank does 1/world of the images and the sums are all-reduced (group.py).
+"""
+import hashlib
+import os
+
+import numpy as np
+import torch
+
+import files
+import group
+from errors import UserError, first_line
+
+REFERENCE_KEEP = 10_000  # reference features kept for precision/recall (k-NN balls are O(n^2) in memory)
+
+
+WEIGHTS_ENV = "DDPM_INCEPTION_WEIGHTS"  # a local Inception weights file, for machines without internet
+
+
+def inception(device, weights=None):
+    """uint8 images (B, 3, H, W) -> (2048-d pool features, 1008 logits), as torch-fidelity computes them.
+    The weights: `weights` (a path), else $DDPM_INCEPTION_WEIGHTS, else torch.hub's cache, downloaded once
+    (offline, the error says where to put them). A file that is not the network's weights is one UserError
+    line. The extractor carries `weights_sha256` and `weights_path`: what a result records."""
+    try:
+        from torch_fidelity.feature_extractor_inceptionv3 import URL_INCEPTION_V3, FeatureExtractorInceptionV3
+    except ImportError:
+        raise UserError("FID needs torch-fidelity: pip install torch-fidelity") from None
+    what = "--inception_weights" if weights else f"${WEIGHTS_ENV}"
+    weights = weights or os.environ.get(WEIGHTS_ENV) or ""
+    if weights:
+        path = weights
+        if not files.is_regular(os.path.realpath(path)):
+            raise UserError(f"{what} {path}: no such file")
+        wrong = f"{what} {path} is not the Inception weights file ({URL_INCEPTION_V3})"
+    else:
+        path = os.path.join(torch.hub.get_dir(), "checkpoints", os.path.basename(URL_INCEPTION_V3))
+        download_weights(URL_INCEPTION_V3, path)
+        wrong = f"{path} is not the Inception weights file: delete it, and place {URL_INCEPTION_V3} there"
+    try:
+        with files.open_regular(path) as f:
+            sha = hashlib.sha256(f.read()).hexdigest()
+            f.seek(0)
+            state = torch.load(f, map_location="cpu", weights_only=True)  # tensors only, before the library
+        if not isinstance(state, dict) or not all(torch.is_tensor(v) for v in state.values()):
+            raise TypeError("not a state dict")
+        extractor = FeatureExtractorInceptionV3("inception-v3-compat", ["2048", "logits_unbiased"],
+                                                feature_extractor_weights_path=path)
+    except Exception as e:  # unreadable, not a torch file, or a network of other names or shapes
+        raise UserError(f"{wrong} ({type(e).__name__}: {first_line(e)[:200]})") from None
+    extractor.weights_sha256, extractor.weights_path = sha, os.path.abspath(path)
+    return extractor.to(device)
+
+
+def download_weights(url, path):
+    """torch-fidelity's Inception weights into torch.hub's cache, once; offline, one line saying where to
+    place them."""
+    if os.path.exists(path):
+        return
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        torch.hub.download_url_to_file(url, path, progress=False)  # via a temporary file
+    except Exception as e:
+        raise UserError(f"cannot download the Inception weights ({type(e).__name__}); offline, "
+                        f"place {url} at {path}, or give its path with --inception_weights or "
+                        f"${WEIGHTS_ENV}") from None
+
+
+def extractor_record(extractor):
+    """What a FID result says of the network that measured it: its name, its weights' SHA-256 (torch.hub
+    names files by the first 8 hex digits of theirs: the official one's begins 6726825d) and torch-fidelity's
+    version."""
+    try:
+        from importlib.metadata import version
+
+        fidelity = version("torch-fidelity")
+    except Exception:
+        fidelity = None
+    return {"network": getattr(extractor, "name", type(extractor).__name__),
+            "weights_sha256": getattr(extractor, "weights_sha256", None),
+            "weights_path": getattr(extractor, "weights_path", None), "torch_fidelity": fidelity}
+
+
+def json_safe(result):
+    """A result with each non-finite number (the Inception Score of weights without the classifier, say) as
+    None: strict JSON has no NaN."""
+    return {k: None if isinstance(v, float) and not np.isfinite(v) else v for k, v in result.items()}
+
+
+def stats_sha256(ref):
+    """SHA-256 of reference statistics (the mean's and covariance's float64 bytes): two results with the
+    same hash were measured against the same reference."""
+    h = hashlib.sha256()
+    for k in ("mu", "sigma"):
+        h.update(np.ascontiguousarray(ref[k], dtype=np.float64).tobytes())
+    return h.hexdigest()
+
+
+@torch.no_grad()
+def features(extractor, batches, device, desc=None, total=None):
+    """-> (features (N, D), logits (N, K)), float32 on the CPU, of uint8 image batches. desc: a progress bar
+    of `total` images with the time left, on a terminal only (tqdm's disable=None)."""
+    from tqdm import tqdm
+
+    feats, logits = [], []
+    bar = tqdm(total=total, desc=desc, unit="img", disable=None if desc else True, leave=False)
+    for x in batches:
+        bar.update(len(x))
+        f, lg = extractor(x.to(device))
+        feats.append(f.float().cpu())
+        logits.append(lg.float().cpu())
+    bar.close()
+    return torch.cat(feats), torch.cat(logits)
+
+
+def mean_cov(feats, chunk=4096):
+    """Mean and covariance (float64) of (N, D) features, summed over ranks under torch.distributed."""
+    s = torch.zeros(feats.shape[1], dtype=torch.float64)
+    outer = torch.zeros(feats.shape[1], feats.shape[1], dtype=torch.float64)
+    for i in range(0, len(feats), chunk):
+        f = feats[i : i + chunk].double()
+        s += f.sum(0)
+        outer += f.T @ f
+    n, s, outer = group.all_reduce_sum(torch.tensor(float(len(feats)), dtype=torch.float64), s, outer)
+    mu = s / n
+    return mu.numpy(), ((outer - n * torch.outer(mu, mu)) / (n - 1)).numpy()
+
+
+def frechet_distance(mu1, sigma1, mu2, sigma2):
+    """||mu1 - mu2||^2 + Tr(S1 + S2 - 2 (S1 S2)^(1/2)) (Heusel et al. 2017), as torch-fidelity computes it."""
+    from torch_fidelity.metric_fid import fid_statistics_to_metric
+
+    return fid_statistics_to_metric({"mu": np.asarray(mu1), "sigma": np.asarray(sigma1)},
+                                    {"mu": np.asarray(mu2), "sigma": np.asarray(sigma2)}, verbose=False)[
+        "frechet_inception_distance"]
+
+
+def reference_path(extractor, dataset, data_dir, image_size, shapes_count, cache_dir, train=True):
+    """Where a split's statistics are cached: the name changes with the data (as a beton's does) and with
+    the network (its name, and its weights' hash where it has one)."""
+    import data
+
+    name = data.beton_name(dataset, data_dir, image_size, shapes_count, train=train)
+    net = getattr(extractor, "name", type(extractor).__name__)
+    sha = getattr(extractor, "weights_sha256", None)
+    suffix = f"-{net}" + (f"-{sha[:12]}" if sha else "") + ".npz"
+    return os.path.join(cache_dir, name.replace(".beton", suffix))
+
+
+def reference_stats(extractor, dataset, data_dir, image_size, shapes_count, device, cache_dir, batch=250,
+                    train=True):
+    """A split's (the training set's by default) feature mean and covariance, plus up to REFERENCE_KEEP of
+    its features (precision/recall). Computed once, then read from cache_dir (reference_path)."""
+    import data
+
+    path = reference_path(extractor, dataset, data_dir, image_size, shapes_count, cache_dir, train)
+    rank, world = group.rank_world()
+    (cached,) = group.all_reduce_sum(torch.tensor(float(os.path.exists(path)), dtype=torch.float64))
+    # decided together: a rank that skipped the computation would leave the others waiting
+    if cached == world:
+        try:  # a file on disk may be truncated or someone else's: checked before it is trusted
+            with files.open_regular(path) as f, np.load(f) as z:
+                ref = {k: z[k] for k in z.files}
+            ok = {"mu", "sigma", "features", "n"} <= set(ref) and ref["sigma"].shape == (len(ref["mu"]),) * 2
+        except Exception:
+            ok = False
+        if not ok:
+            raise UserError(f"{path} is not readable FID reference statistics: delete it and they are "
+                            "computed again")
+        return ref
+    try:
+        images, _, _ = data.load_dataset(dataset, data_dir, image_size, shapes_count, train=train)
+    except UserError as e:
+        raise UserError(f"FID reference statistics: {e}") from None
+    split = "train" if train else "test"
+    print(f"computing FID reference statistics of {dataset} {split} ({len(images)} images) into {path}",
+          flush=True)
+    mine = images[rank::world]
+    f, _ = features(extractor, (mine[i : i + batch] for i in range(0, len(mine), batch)), device,
+                    desc="FID reference statistics", total=len(mine))
+    mu, sigma = mean_cov(f)
+    kept = f[: REFERENCE_KEEP // world].float().numpy()  # this rank's share; rank 0's is what the cache keeps
+    ref = {"mu": mu, "sigma": sigma, "features": kept, "n": np.array(len(images))}
+    if rank == 0:
+        os.makedirs(cache_dir, exist_ok=True)
+        with files.created(path, kept="nothing is cached; the statistics are computed again next time") as f:
+            np.savez(f, **ref)
+    return ref
+
+
+def fid_metrics(gen_feats, gen_logits, ref, prc=True):
+    """FID against `ref`; Inception Score (10 splits) and precision/recall (k = 3) where asked and
+    available."""
+    mu, sigma = mean_cov(gen_feats)
+    out = {"fid": frechet_distance(mu, sigma, ref["mu"], ref["sigma"])}
+    if gen_logits is not None:
+        from torch_fidelity.metric_isc import isc_features_to_metric
+
+        isc = isc_features_to_metric(gen_logits, splits=10)
+        out.update(inception_score=isc["inception_score_mean"],
+                   inception_score_std=isc["inception_score_std"])
+    if prc and len(ref.get("features", ())) > 3:
+        from torch_fidelity.metric_prc import prc_features_to_metric
+
+        real = torch.from_numpy(ref["features"]).float()
+        m = prc_features_to_metric(gen_feats[: len(real)].float(), real, prc_neighborhood=3,
+                                   prc_batch_size=10_000, save_cpu_ram=False, verbose=False)
+        out.update(precision=m["precision"], recall=m["recall"], prc_n=min(len(gen_feats), len(real)))
+    return out
