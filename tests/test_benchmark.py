@@ -21,7 +21,8 @@ def analytic_train_flops(mc):
     def hook(m, inputs, out):
         x = inputs[0]
         if isinstance(m, torch.nn.Conv2d):
-            f = 2 * m.out_channels * (m.in_channels // m.groups) * m.kernel_size[0] * m.kernel_size[1] * out.shape[-2] * out.shape[-1]
+            f = (2 * m.out_channels * (m.in_channels // m.groups) * m.kernel_size[0] * m.kernel_size[1]
+                 * out.shape[-2] * out.shape[-1])
         elif isinstance(m, torch.nn.Linear):
             f = 2 * m.in_features * m.out_features * (x.numel() // m.in_features)
         else:  # attention: Q Kᵀ and (softmax) V, each 2 · heads · L² · head_dim
@@ -37,8 +38,8 @@ def analytic_train_flops(mc):
     return sum(3 * f - (f if m in no_input_grad else 0) for m, f in fwd.items())
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(attn_heads=2, attn_resolutions=(16, 8)), dict(patch_size=2, attn_head_dim=8,
-                                                                                        attn_heads=4, num_classes=3)])
+@pytest.mark.parametrize("kw", [dict(), dict(attn_heads=2, attn_resolutions=(16, 8)),
+                                dict(patch_size=2, attn_head_dim=8, attn_heads=4, num_classes=3)])
 @pytest.mark.parametrize("attention", ["sdpa", "math"])
 def test_flop_counter_matches_analytic_count(kw, attention):
     mc = tiny_model(**kw)
@@ -49,23 +50,25 @@ def test_flop_counter_matches_analytic_count(kw, attention):
 
 def test_cpu_ladder_rows_are_well_formed(tmp_path):
     out = tmp_path / "ladder.json"
-    benchmark.main(["--preset", "demo", "--device", "cpu", "--iters", "2", "--warmup", "1", "--base_batch", "4",
-                    "--json", str(out)])
+    benchmark.main(["--preset", "demo", "--device", "cpu", "--iters", "2", "--warmup", "1", "--base_batch",
+                    "4", "--json", str(out)])
     result = json.load(open(out))
     names = [r["version"] for r in result["rows"]]
     assert names == [name.replace("patch_size P", "patch_size 2") for name, _ in ladder.LADDER]
     ran = [r for r in result["rows"] if "skipped" not in r]
     assert ran[0]["version"] == "baseline" and ran[0]["speedup"] == 1.0 and ran[0]["batch"] == 4
-    assert ran[0]["precision"] == "fp32" and ran[0]["attention"] == "math" and ran[0]["loader"] == "dataloader"
+    assert (ran[0]["precision"], ran[0]["attention"], ran[0]["loader"]) == ("fp32", "math", "dataloader")
     for r in ran:
         assert r["step_ms"] > 0 and r["img_per_s"] > 0 and r["tflops"] > 0 and 0 < r["mfu_measured"] < 2
         assert r["img_per_s"] == pytest.approx(r["batch"] / r["step_ms"] * 1e3)
     skipped = {r["version"]: r["skipped"] for r in result["rows"] if "skipped" in r}
     assert "torch.compile" in skipped  # off on the CPU unless --cpu_compile
-    assert {"fp16 autocast", "checkpointing at the largest batch", "patch_size 2 at the largest batch"} <= set(skipped)
+    assert {"fp16 autocast", "checkpointing at the largest batch",
+            "patch_size 2 at the largest batch"} <= set(skipped)
     by = {r["version"]: r for r in ran}
     # the rows that vary their row alone, and that nothing after them inherits their change
-    assert (by["grad accumulation x4"]["accum_steps"], by["activation checkpointing"]["activation_checkpointing"]) \
+    assert (by["grad accumulation x4"]["accum_steps"],
+            by["activation checkpointing"]["activation_checkpointing"]) \
         == (4, True)
     last = by["patch_size 2"]
     assert (last["accum_steps"], last["activation_checkpointing"], last["patch_size"]) == (1, False, 2)
@@ -73,7 +76,8 @@ def test_cpu_ladder_rows_are_well_formed(tmp_path):
 
 
 def test_fp16_rows_step_through_the_loss_scaler(monkeypatch):
-    """The fp16 row's step is train()'s: GradScaler scales the loss and updates its scale (on the CPU here)."""
+    """The fp16 row's step is train()'s: GradScaler scales the loss and updates its scale (on the CPU
+    here)."""
     import data
 
     built = []
@@ -82,7 +86,8 @@ def test_fp16_rows_step_through_the_loss_scaler(monkeypatch):
     mc = tiny_model()
     row = dict(ladder.LADDER[0][1], precision="fp16", attention="sdpa", loader="resident")
     images, labels, _ = data.shapes(64, mc.image_size)
-    ms, mem, prof = ladder.time_steps(mc, row, 4, torch.device("cpu"), images, labels, None, warmup=1, iters=2)
+    ms, mem, prof = ladder.time_steps(mc, row, 4, torch.device("cpu"), images, labels, None, warmup=1,
+                                      iters=2)
     assert ms > 0 and mem is None and prof is None
     scalers = [b.scaler for b in built]
     assert len(scalers) == 1 and scalers[0].get_scale() == 2.0**16  # no overflow in 3 steps: scale unchanged
@@ -92,14 +97,16 @@ def test_fp16_rows_step_through_the_loss_scaler(monkeypatch):
 def test_sampling_table_across_patch_sizes(tmp_path, capsys):
     out = tmp_path / "sample.json"
     rows = benchmark.main(["--sample", "--preset", "demo", "--device", "cpu", "--patch_sizes", "1,2,16",
-                           "--sample_steps", "2", "--sample_batch", "2", "--base_channels=32", "--json", str(out)])
+                           "--sample_steps", "2", "--sample_batch", "2", "--base_channels=32",
+                           "--json", str(out)])
     assert rows == json.load(open(out))["rows"]
     p1, p2, p16 = rows
     assert "skipped" in p16  # a 16 px image has no 16x16 patches with levels below them
     for r in (p1, p2):
         assert r["nfe_per_image"] == 4 and r["steps"] == 2 and r["guidance"] == 2.0  # the demo's guidance
         assert r["img_per_s"] > 0 and r["s_per_img"] == pytest.approx(1 / r["img_per_s"])
-    assert p1["gflop_per_image"] / p2["gflop_per_image"] == pytest.approx(p2["flops_ratio"]) and p2["flops_ratio"] > 3.5
+    assert p1["gflop_per_image"] / p2["gflop_per_image"] == pytest.approx(p2["flops_ratio"])
+    assert p2["flops_ratio"] > 3.5
     assert "| 2 | 2 | 2 |" in capsys.readouterr().out
 
 
@@ -110,7 +117,8 @@ def test_sampling_table_across_patch_sizes(tmp_path, capsys):
 def test_bad_sampling_arguments_are_one_line(capsys, args, needle):
     from conftest import one_line_error
 
-    assert needle in one_line_error(capsys, benchmark.main, ["--sample", "--preset", "demo", "--device", "cpu", *args])
+    assert needle in one_line_error(capsys, benchmark.main, ["--sample", "--preset", "demo", "--device",
+                                                             "cpu", *args])
 
 
 def test_batch_search_doubles_until_the_first_out_of_memory(monkeypatch):
@@ -132,8 +140,8 @@ def test_batch_search_doubles_until_the_first_out_of_memory(monkeypatch):
 
 
 def test_a_ladder_cut_short_keeps_and_prints_its_rows(tmp_path, monkeypatch, capsys):
-    """Ctrl-C (or gpu_bench.sh's `timeout -s INT`) in the third measured row: the first two are saved, with speedups,
-    and printed as the table; the exit status says the ladder is incomplete."""
+    """Ctrl-C (or gpu_bench.sh's `timeout -s INT`) in the third measured row: the first two are saved, with
+    speedups, and printed as the table; the exit status says the ladder is incomplete."""
     calls = []
 
     def fake_time_steps(mc, row, batch, *args, **kw):
@@ -149,7 +157,8 @@ def test_a_ladder_cut_short_keeps_and_prints_its_rows(tmp_path, monkeypatch, cap
     assert e.value.code == 130
     rows = [r for r in json.load(open(out))["rows"] if "skipped" not in r]
     assert [r["version"] for r in rows] == ["baseline", "scale up batch"]
-    assert rows[0]["speedup"] == 1.0 and rows[1]["speedup"] == pytest.approx(2 * rows[1]["batch"] / rows[0]["batch"])
+    assert rows[0]["speedup"] == 1.0
+    assert rows[1]["speedup"] == pytest.approx(2 * rows[1]["batch"] / rows[0]["batch"])
     table = capsys.readouterr().out.split("interrupted in the row 'PyTorch SDPA'")[1]
     assert "| baseline |" in table and "| scale up batch |" in table and "| PyTorch SDPA |" not in table
 
@@ -159,12 +168,15 @@ def test_batch_search_says_when_not_even_the_first_batch_fits(monkeypatch):
         raise torch.cuda.OutOfMemoryError("out of memory")
 
     monkeypatch.setattr(ladder, "time_steps", oom)
-    with pytest.raises(RuntimeError, match="even batch 128 does not fit"):  # the ladder's row records it as skipped
-        ladder.largest_batch(tiny_model(), {}, torch.device("cpu"), torch.zeros(512, 3, 16, 16, dtype=torch.uint8),
+    # the ladder's row records it as skipped
+    with pytest.raises(RuntimeError, match="even batch 128 does not fit"):
+        ladder.largest_batch(tiny_model(), {}, torch.device("cpu"),
+                             torch.zeros(512, 3, 16, 16, dtype=torch.uint8),
                                 torch.zeros(512, dtype=torch.long), 128, 16384)
 
 
-@pytest.mark.parametrize("preset,q,attn", [("ffhq-p4", 1, (64, 32)), ("ffhq-p4", 8, (8, 4)), ("lsun-p2", 4, (8, 4)),
+@pytest.mark.parametrize("preset,q,attn", [("ffhq-p4", 1, (64, 32)), ("ffhq-p4", 8, (8, 4)),
+                                           ("lsun-p2", 4, (8, 4)),
                                           ("seed", 2, (16, 8, 4, 2))])
 def test_any_patch_size_attends_over_the_same_regions(preset, q, attn):
     mc, tc, _ = ddpm.parse_args(["--preset", preset])
@@ -174,8 +186,8 @@ def test_any_patch_size_attends_over_the_same_regions(preset, q, attn):
 
 
 def test_gpu_bench_dry_run_runs_every_command_on_the_cpu(tmp_path):
-    """scripts/gpu_bench.sh --dry-run: the GPU script's every command, with tiny settings on the CPU, so its plumbing
-    is tested although no GPU has run it. About two minutes on 2 cores."""
+    """scripts/gpu_bench.sh --dry-run: the GPU script's every command, with tiny settings on the CPU, so its
+    plumbing is tested although no GPU has run it. About two minutes on 2 cores."""
     import os
     import subprocess
     import sys
@@ -183,16 +195,19 @@ def test_gpu_bench_dry_run_runs_every_command_on_the_cpu(tmp_path):
     from conftest import ROOT
 
     out = tmp_path / "gpu"
-    proc = subprocess.run(["bash", "scripts/gpu_bench.sh", "--dry-run", str(out)], cwd=ROOT, capture_output=True,
+    proc = subprocess.run(["bash", "scripts/gpu_bench.sh", "--dry-run", str(out)], cwd=ROOT,
+                          capture_output=True,
                           text=True, env={**os.environ, "PYTHON": sys.executable}, timeout=3600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     status = dict(line.split() for line in (out / "status.txt").read_text().splitlines())
-    assert status == {k: "0" for k in ("gpu_tests", "seed", "ho", "patch", "sample", "vs_diffusers", "vs_sampling")}
+    assert status == {k: "0" for k in ("gpu_tests", "seed", "ho", "patch", "sample", "vs_diffusers",
+                                       "vs_sampling")}
     seed = json.loads((out / "seed.json").read_text())["rows"]
     assert {r["version"] for r in seed if "skipped" not in r} >= {"baseline", "grad accumulation x4",
                                                                   "activation checkpointing", "patch_size 2"}
     patch = json.loads((out / "patch.json").read_text())["rows"]
-    assert [r["version"] for r in patch if "skipped" not in r] == ["PyTorch SDPA", "patch_size 1"]  # from --start
+    # from --start
+    assert [r["version"] for r in patch if "skipped" not in r] == ["PyTorch SDPA", "patch_size 1"]
     assert patch[0]["skipped"] == "above --start (its settings taken as given)"
     assert all(r["profile"]["shares"] for r in seed + patch if "skipped" not in r)  # --profile
     assert [r["patch_size"] for r in json.loads((out / "sample.json").read_text())["rows"]] == [1, 2]
@@ -208,7 +223,8 @@ def test_gpu_bench_dry_run_runs_every_command_on_the_cpu(tmp_path):
 def test_an_unknown_row_name_is_one_line(capsys, flag):
     from conftest import one_line_error
 
-    err = one_line_error(capsys, benchmark.main, ["--preset", "demo", "--device", "cpu", flag, "baseline,torch.compil"])
+    err = one_line_error(capsys, benchmark.main, ["--preset", "demo", "--device", "cpu", flag,
+                                                  "baseline,torch.compil"])
     assert "torch.compil;" in err and "torch.compile" in err
 
 

@@ -65,10 +65,12 @@ def test_discretized_likelihood_and_kl_helpers():
     x = torch.tensor([-1.0, 0.0, 1.0], dtype=torch.float64)
     mean = torch.tensor([-0.9, 0.01, 0.95], dtype=torch.float64)
     got = discretized_gaussian_log_likelihood(x, mean, 0.01).numpy()
-    ref = np.log([norm.cdf((-1 + 1 / 255 + 0.9) / 0.1), norm.cdf((1 / 255 - 0.01) / 0.1) - norm.cdf((-1 / 255 - 0.01) / 0.1),
+    ref = np.log([norm.cdf((-1 + 1 / 255 + 0.9) / 0.1),
+                  norm.cdf((1 / 255 - 0.01) / 0.1) - norm.cdf((-1 / 255 - 0.01) / 0.1),
                   1 - norm.cdf((1 - 1 / 255 - 0.95) / 0.1)])
     np.testing.assert_allclose(got, ref, rtol=1e-9)
-    kl = normal_kl(torch.tensor(0.3, dtype=torch.float64), 0.5, torch.tensor(-0.2, dtype=torch.float64), 2.0).item()
+    kl = normal_kl(torch.tensor(0.3, dtype=torch.float64), 0.5, torch.tensor(-0.2, dtype=torch.float64),
+                   2.0).item()
     assert kl == pytest.approx(math.log(2 / 0.5) / 2 + (0.5 + 0.25) / 4 - 0.5, rel=1e-12)
 
 

@@ -10,19 +10,23 @@ from errors import UserError
 def test_defaults_are_ho_et_al():
     mc, tc, preset = parse_args([])
     assert preset == "ho"
-    assert (mc.base_channels, mc.channel_mult, mc.num_res_blocks, mc.attn_resolutions, mc.dropout) == (128, (1, 2, 2, 2), 2, (16,), 0.1)
-    assert (mc.timesteps, mc.beta_start, mc.beta_end, mc.prediction, mc.schedule) == (1000, 1e-4, 0.02, "eps", "linear")
-    assert (tc.lr, tc.warmup_steps, tc.grad_clip, tc.batch_size, tc.ema_decay, tc.hflip) == (2e-4, 5000, 1.0, 128, 0.9999, True)
+    assert ((mc.base_channels, mc.channel_mult, mc.num_res_blocks, mc.attn_resolutions, mc.dropout)
+            == (128, (1, 2, 2, 2), 2, (16,), 0.1))
+    assert ((mc.timesteps, mc.beta_start, mc.beta_end, mc.prediction, mc.schedule)
+            == (1000, 1e-4, 0.02, "eps", "linear"))
+    assert ((tc.lr, tc.warmup_steps, tc.grad_clip, tc.batch_size, tc.ema_decay, tc.hflip)
+            == (2e-4, 5000, 1.0, 128, 0.9999, True))
 
 
 def test_overrides_and_presets():
-    mc, tc, preset = parse_args(["--preset", "demo", "--lr=3e-4", "--channel_mult=1,2", "--attn_resolutions=", "--compile",
-                                 "--prediction", "v", "--hflip=false"])
+    mc, tc, preset = parse_args(["--preset", "demo", "--lr=3e-4", "--channel_mult=1,2", "--attn_resolutions=",
+                                 "--compile", "--prediction", "v", "--hflip=false"])
     assert preset == "demo" and mc.image_size == 16 and tc.dataset == "shapes"
     assert tc.lr == 3e-4 and mc.channel_mult == (1, 2) and mc.attn_resolutions == () and tc.compile == "true"
     assert mc.prediction == "v" and tc.hflip is False
     mc, tc, _ = parse_args(["--preset=seed"])
-    assert (mc.base_channels, mc.channel_mult, mc.attn_heads, mc.attn_head_dim, tc.batch_size) == (32, (1, 2, 4, 8), 4, 32, 3072)
+    assert ((mc.base_channels, mc.channel_mult, mc.attn_heads, mc.attn_head_dim, tc.batch_size)
+            == (32, (1, 2, 4, 8), 4, 32, 3072))
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -54,7 +58,8 @@ def test_help_lists_every_field_with_default_and_comment(capsys):
     assert "demo" in out
 
 
-@pytest.mark.parametrize("args,value", [([], "auto"), (["--channels_last"], "true"), (["--channels_last=false"], "false"),
+@pytest.mark.parametrize("args,value", [([], "auto"), (["--channels_last"], "true"),
+                                        (["--channels_last=false"], "false"),
                                         (["--channels_last=off"], "false"), (["--channels_last=yes"], "true"),
                                         (["--channels_last=auto"], "auto")])
 def test_channels_last_takes_auto_or_a_boolean(args, value):

@@ -66,12 +66,14 @@ def make_loader(n=40, batch=8, seed=0, hflip=True):
 def test_loader_normalises_flips_and_is_seeded():
     x, y = make_loader().next()
     assert x.shape == (8, 3, 2, 2) and x.min() >= -1 and x.max() == 1
-    torch.testing.assert_close(x[:, 0, 0].min(-1).values, y.float() / 127.5 - 1)  # label i holds pixel value i
+    # label i holds pixel value i
+    torch.testing.assert_close(x[:, 0, 0].min(-1).values, y.float() / 127.5 - 1)
     flipped = [make_loader(seed=s).next()[0][:, 0, 0, 1] == 1 for s in range(50)]
     frac = torch.cat(flipped).float().mean().item()
     assert 0.4 < frac < 0.6  # about half the images are mirrored
     a, b, c = make_loader(seed=1), make_loader(seed=1), make_loader(seed=2)
-    assert torch.equal(a.next()[1], b.next()[1]) and not torch.equal(make_loader(seed=1).next()[1], c.next()[1])
+    assert torch.equal(a.next()[1], b.next()[1]) and not torch.equal(make_loader(seed=1).next()[1],
+                                                                     c.next()[1])
     assert make_loader(hflip=False).next()[0][:, 0, 0, 0].eq(1).all()
 
 

@@ -1,4 +1,5 @@
-"""Ho et al.'s network against diffusers' UNet2DModel (the oracle), and the diffusers folder format both ways."""
+"""Ho et al.'s network against diffusers' UNet2DModel (the oracle), and the diffusers folder format both
+ways."""
 import dataclasses
 import json
 import re
@@ -29,7 +30,8 @@ def randomise(model):
     with torch.no_grad():
         for name, p in model.named_parameters():
             scale = p[0].numel() ** -0.5 if p.dim() > 1 else 0.3
-            p.copy_(torch.randn_like(p) * scale + (1.0 if "norm" in name and name.endswith("weight") else 0.0))
+            norm_weight = "norm" in name and name.endswith("weight")
+            p.copy_(torch.randn_like(p) * scale + (1.0 if norm_weight else 0.0))
     return model
 
 
@@ -41,8 +43,8 @@ def their_model(model):
 
 
 @pytest.mark.parametrize("mc", [ModelConfig(dropout=0.0),  # the 'ho' preset: Ho et al.'s CIFAR-10 network
-                                wide(channel_mult=(1, 2, 2), num_res_blocks=2, attn_resolutions=(16, 4), attn_heads=0,
-                                     attn_head_dim=32)],
+                                wide(channel_mult=(1, 2, 2), num_res_blocks=2, attn_resolutions=(16, 4),
+                                     attn_heads=0, attn_head_dim=32)],
                          ids=["ho", "multihead"])
 def test_float64_output_equals_diffusers(mc):
     torch.manual_seed(0)
@@ -82,7 +84,8 @@ def test_every_tensor_is_used_exactly_once():
 
 
 def test_older_attention_names_load():
-    """Older exports (the official DDPM checkpoints among them) name the attention layers query, key, value, proj_attn."""
+    """Older exports (the official DDPM checkpoints among them) name the attention layers query, key, value,
+    proj_attn."""
     ours = randomise(UNet(wide()))
     old = {k.replace(".to_q.", ".query.").replace(".to_k.", ".key.").replace(".to_v.", ".value.")
            .replace(".to_out.0.", ".proj_attn."): v for k, v in unet.diffusers_state_dict(ours).items()}
@@ -109,7 +112,8 @@ def test_export_loads_in_diffusers_and_a_pipeline_runs(tmp_path):
     sample.main(["--ckpt", str(tmp_path / "ema.pt"), "--export_diffusers", str(tmp_path / "hub")])
     theirs = diffusers.UNet2DModel.from_pretrained(str(tmp_path / "hub")).eval()
     scheduler = diffusers.DDPMScheduler.from_pretrained(str(tmp_path / "hub"))
-    assert scheduler.config.prediction_type == "v_prediction" and scheduler.config.variance_type == "fixed_small"
+    config = scheduler.config
+    assert (config.prediction_type, config.variance_type) == ("v_prediction", "fixed_small")
     ref = diffusers.DDPMScheduler(num_train_timesteps=100, beta_schedule="squaredcos_cap_v2")
     torch.testing.assert_close(scheduler.alphas_cumprod, ref.alphas_cumprod, rtol=0, atol=0)
     x, t = torch.randn(2, 3, 16, 16), torch.tensor([3, 97])
@@ -128,7 +132,8 @@ def test_sampling_a_save_pretrained_folder_equals_our_checkpoint(tmp_path):
     their_model(ours).save_pretrained(str(tmp_path / "pipe" / "unet"))
     diffusers.DDPMScheduler(num_train_timesteps=100, variance_type="fixed_large").save_pretrained(
         str(tmp_path / "pipe" / "scheduler"))
-    for name, ckpt in (("ours", tmp_path / "ema.pt"), ("theirs", tmp_path / "pipe"), ("unet", tmp_path / "pipe" / "unet")):
+    for name, ckpt in (("ours", tmp_path / "ema.pt"), ("theirs", tmp_path / "pipe"),
+                       ("unet", tmp_path / "pipe" / "unet")):
         sample.main(["--ckpt", str(ckpt), "--n", "3", "--steps", "4", "--sampler", "ddpm",
                      "--out", str(tmp_path / f"{name}.png")])
     a = np.load(tmp_path / "ours.npz")["arr_0"]
@@ -163,7 +168,8 @@ def test_configs_our_unet_cannot_express_are_one_line(tmp_path, capsys, file, ch
     (["--ckpt", "{d}/hub", "--eval", "bpd"], "needs --dataset"),  # a folder records no training data
     (["--ckpt", "{d}/hub", "--eval", "fid"], "needs --dataset"),
     (["--ckpt", "{d}/missing"], "no checkpoint at"),
-    (["--ckpt", "{d}", "--export_diffusers", "{d}/out"], "neither a run's checkpoint nor a diffusers model folder"),
+    (["--ckpt", "{d}", "--export_diffusers", "{d}/out"],
+     "neither a run's checkpoint nor a diffusers model folder"),
     (["--ckpt", "{d}/cond.pt", "--export_diffusers", "{d}/out"], "cannot express num_classes=4"),
     (["--ckpt", "{d}/ema.pt", "--export_diffusers", "{d}/ema.pt"], "exists and is not an empty folder"),
 ])
@@ -183,7 +189,8 @@ def test_init_from_a_diffusers_folder(tmp_path):
     src = randomise(UNet(mc))
     their_model(src).save_pretrained(str(tmp_path / "hub"))
     diffusers.DDPMScheduler(num_train_timesteps=100).save_pretrained(str(tmp_path / "hub"))
-    out = train(mc, tiny_trainer(tmp_path / "run", max_steps=1, lr=0.0, warmup_steps=0, init_from=str(tmp_path / "hub")))
+    out = train(mc, tiny_trainer(tmp_path / "run", max_steps=1, lr=0.0, warmup_steps=0,
+                                 init_from=str(tmp_path / "hub")))
     ckpt = torch.load(f"{out}/ckpt.pt", weights_only=True)
     for key in ("model", "ema"):
         assert all(torch.equal(a, ckpt[key][k]) for k, a in src.state_dict().items()), key

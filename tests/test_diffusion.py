@@ -63,7 +63,8 @@ def test_prediction_round_trip(prediction):
 
 def test_v_definition():
     d = Diffusion(ModelConfig(prediction="v"))
-    x0, noise, t = torch.randn(8, 3, 2, 2, dtype=torch.float64), torch.randn(8, 3, 2, 2, dtype=torch.float64), torch.arange(8) * 100
+    x0, noise = torch.randn(8, 3, 2, 2, dtype=torch.float64), torch.randn(8, 3, 2, 2, dtype=torch.float64)
+    t = torch.arange(8) * 100
     ab = d.alpha_bar[t].view(-1, 1, 1, 1)
     torch.testing.assert_close(d.target(x0, noise, t), ab.sqrt() * noise - (1 - ab).sqrt() * x0)
 
@@ -141,7 +142,8 @@ def test_ddpm_matches_algorithm_2():
 def test_ddim_matches_song_eq_12():
     d = Diffusion(ModelConfig(timesteps=100))
     shape = (4, 3, 4, 4)
-    ours = sample(d, eps_model, shape, sampler="ddim", steps=10, generator=torch.Generator().manual_seed(5), threshold="none")
+    ours = sample(d, eps_model, shape, sampler="ddim", steps=10, generator=torch.Generator().manual_seed(5),
+                  threshold="none")
     x = torch.randn(shape, generator=torch.Generator().manual_seed(5)).double()
     seq = d.timestep_sequence(10)
     ab = d.alpha_bar
@@ -153,7 +155,8 @@ def test_ddim_matches_song_eq_12():
     torch.testing.assert_close(ours.double(), x.clamp(-1, 1), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("sampler,steps,variance", [("ddpm", None, "small"), ("ddpm", None, "large"), ("ddim", None, "large")])
+@pytest.mark.parametrize("sampler,steps,variance", [("ddpm", None, "small"), ("ddpm", None, "large"),
+                                                    ("ddim", None, "large")])
 def test_samplers_recover_gaussian_data(sampler, steps, variance):
     """With the exact denoiser of N(μ, s²) data, sampling over all T steps returns N(μ, s²).
     (DDIM at 50 steps contracts the std to ~0.18: discretisation error, which vanishes as steps -> T.)"""
@@ -164,7 +167,8 @@ def test_samplers_recover_gaussian_data(sampler, steps, variance):
         ab = d.alpha_bar[t].view(-1, 1, 1, 1).float()
         return mu + ab.sqrt() * s**2 / (ab * s**2 + 1 - ab) * (z - ab.sqrt() * mu)
 
-    x = sample(d, x0_model, (20000, 1, 1, 1), sampler=sampler, steps=steps, generator=torch.Generator().manual_seed(0))
+    x = sample(d, x0_model, (20000, 1, 1, 1), sampler=sampler, steps=steps,
+               generator=torch.Generator().manual_seed(0))
     assert x.mean().item() == pytest.approx(mu, abs=0.01)
     assert x.std().item() == pytest.approx(s, rel=0.05)
 
@@ -179,14 +183,18 @@ def test_sampler_determinism_and_guidance_identity():
         return torch.sin(z + y.view(-1, 1, 1, 1).float())
 
     y = torch.arange(4)
-    a = sample(d, model, (4, 3, 16, 16), sampler="ddim", steps=5, y=y, generator=torch.Generator().manual_seed(1))
-    b = sample(d, model, (4, 3, 16, 16), sampler="ddim", steps=5, y=y, guidance=1.0, generator=torch.Generator().manual_seed(1))
-    c = sample(d, model, (4, 3, 16, 16), sampler="ddim", steps=5, y=y, generator=torch.Generator().manual_seed(2))
+    a = sample(d, model, (4, 3, 16, 16), sampler="ddim", steps=5, y=y,
+               generator=torch.Generator().manual_seed(1))
+    b = sample(d, model, (4, 3, 16, 16), sampler="ddim", steps=5, y=y, guidance=1.0,
+               generator=torch.Generator().manual_seed(1))
+    c = sample(d, model, (4, 3, 16, 16), sampler="ddim", steps=5, y=y,
+               generator=torch.Generator().manual_seed(2))
     assert torch.equal(a, b) and not torch.equal(a, c)
     assert a.min() >= -1 and a.max() <= 1
     assert set(calls) == {4}  # w = 1 never evaluates the unconditional branch
     calls.clear()
-    sample(d, model, (4, 3, 16, 16), sampler="ddim", steps=5, y=y, guidance=2.0, generator=torch.Generator().manual_seed(1))
+    sample(d, model, (4, 3, 16, 16), sampler="ddim", steps=5, y=y, guidance=2.0,
+           generator=torch.Generator().manual_seed(1))
     assert set(calls) == {8}  # guided: conditional and null-class halves in one batch
 
 
@@ -201,7 +209,8 @@ def test_dpm_solver_at_20_steps_recovers_gaussian_data_like_ddpm_at_1000():
     mu, s = 0.3, 0.2
     d = Diffusion(ModelConfig(prediction="x"))
     model = gaussian_denoiser(d, mu, s)
-    dpm = sample(d, model, (20000, 1, 1, 1), sampler="dpm++", steps=20, generator=torch.Generator().manual_seed(0))
+    dpm = sample(d, model, (20000, 1, 1, 1), sampler="dpm++", steps=20,
+                 generator=torch.Generator().manual_seed(0))
     ancestral = sample(d, model, (20000, 1, 1, 1), sampler="ddpm", generator=torch.Generator().manual_seed(0))
     for x in (dpm, ancestral):
         assert x.mean().item() == pytest.approx(mu, abs=0.01)
@@ -213,7 +222,8 @@ def test_dpm_solver_matches_lu_et_al_written_out():
     d = Diffusion(ModelConfig(timesteps=200, prediction="x"))
     model = lambda z, t, y: 0.5 * torch.tanh(z) * (1 - t.view(-1, 1, 1, 1).to(z.dtype) / 400)  # noqa: E731
     shape = (3, 2, 4, 4)
-    ours = sample(d, model, shape, sampler="dpm++", steps=12, threshold="none", generator=torch.Generator().manual_seed(7))
+    ours = sample(d, model, shape, sampler="dpm++", steps=12, threshold="none",
+                  generator=torch.Generator().manual_seed(7))
     ts = d.timestep_sequence(12, spacing="logsnr")
     ab = d.alpha_bar
     alpha, sigma = ab.sqrt(), (1 - ab).sqrt()
@@ -285,7 +295,8 @@ def test_split_experts_train_and_sample_only_their_timesteps():
 
 def heun_closed_form(d, z, ts, mu, s):
     """What Heun approximates for N(μ, s²) data: the probability-flow ODE solved exactly from σ(ts[0]) to
-    σ(ts[-1]), x(σ) - μ = (x_start - μ) √(s² + σ²)/√(s² + σ_start²) in x = z/√ᾱ, then x̂₀ = E[x₀ | x] there."""
+    σ(ts[-1]), x(σ) - μ = (x_start - μ) √(s² + σ²)/√(s² + σ_start²) in x = z/√ᾱ, then x̂₀ = E[x₀ | x]
+    there."""
     ab = d.alpha_bar
     var = lambda t: (1 - ab[t]) / ab[t]  # noqa: E731  σ(t)²
     x_start = z.double() / ab[ts[0]].sqrt()
@@ -305,7 +316,8 @@ def test_heun_solves_the_gaussian_probability_flow_ode_to_second_order():
             x = sample(d, model, shape, sampler=sampler, steps=steps, threshold="none",
                          generator=torch.Generator().manual_seed(0))
             ts = d.timestep_sequence(steps, spacing=ddpm.SAMPLERS[sampler].spacing)
-            exact = heun_closed_form(d, torch.randn(shape, generator=torch.Generator().manual_seed(0)), ts, mu, s)
+            exact = heun_closed_form(d, torch.randn(shape, generator=torch.Generator().manual_seed(0)), ts,
+                                     mu, s)
             errors[sampler, steps] = (x.double() - exact.clamp(-1, 1)).abs().max().item()
             assert len(calls) == (2 * len(ts) - 1 if sampler == "heun" else len(ts))
     assert errors["heun", 40] < 0.02

@@ -91,12 +91,15 @@ def test_training_through_ffcv_equals_training_through_torch(tmp_path):
     mc = tiny_model(num_classes=4)
     for kind in ("ffcv", "torch"):
         out = tmp_path / kind
-        train(mc, tiny_trainer(out, loader=kind, max_steps=6, shapes_count=64, beton_dir=str(tmp_path / "b")), preset="test")
-        assert json.load(open(out / "config.json"))["resolved"]["loader"] == ("FFCVLoader" if kind == "ffcv" else "Loader")
+        train(mc, tiny_trainer(out, loader=kind, max_steps=6, shapes_count=64, beton_dir=str(tmp_path / "b")),
+              preset="test")
+        loader = json.load(open(out / "config.json"))["resolved"]["loader"]
+        assert loader == ("FFCVLoader" if kind == "ffcv" else "Loader")
     a = torch.load(tmp_path / "ffcv" / "ckpt.pt", weights_only=True)["model"]
     b = torch.load(tmp_path / "torch" / "ckpt.pt", weights_only=True)["model"]
     assert all(torch.equal(a[k], b[k]) for k in a)
-    assert sorted(os.listdir(tmp_path / "b")) == ["shapes-train-16px-n64.beton", "shapes-train-16px-n64.beton.json"]
+    assert sorted(os.listdir(tmp_path / "b")) == ["shapes-train-16px-n64.beton",
+                                                  "shapes-train-16px-n64.beton.json"]
 
 
 def test_data_cli_writes_a_beton_and_rejects_bad_input(tmp_path, capsys):

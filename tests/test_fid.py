@@ -71,7 +71,8 @@ def test_reference_stats_are_cached_and_fid_of_the_data_itself_is_zero(tmp_path)
     assert same["fid"] == pytest.approx(0, abs=1e-4)
     assert same["precision"] == same["recall"] == 1.0  # every point lies in its own k-NN ball
     assert 1 <= same["inception_score"] <= 10
-    noise = torch.randint(0, 256, (96, 3, 16, 16), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    noise = torch.randint(0, 256, (96, 3, 16, 16), dtype=torch.uint8,
+                          generator=torch.Generator().manual_seed(0))
     other = fid.fid_metrics(*fid.features(ext, noise.split(40), "cpu"), ref)
     assert other["fid"] > 100 * max(same["fid"], 1e-3) and other["precision"] < 0.5
 
@@ -84,7 +85,8 @@ def test_offline_inception_is_one_clear_line(tmp_path, monkeypatch):
         raise urllib.error.URLError("no network")
 
     monkeypatch.setattr(torch.hub, "download_url_to_file", offline)
-    with pytest.raises(UserError, match=r"offline, place https://\S+weights-inception\S+\.pth at \S+checkpoints"):
+    with pytest.raises(UserError,
+                       match=r"offline, place https://\S+weights-inception\S+\.pth at \S+checkpoints"):
         fid.inception("cpu")
     (tmp_path / "checkpoints" / "weights-inception-2015-12-05-6726825d.pth").write_bytes(b"truncated")
     with pytest.raises(UserError, match="is not the Inception weights file"):
@@ -116,14 +118,16 @@ def test_sample_eval_fid_offline_is_one_line(run_dir, tmp_path, capsys, monkeypa
 
 def test_training_logs_fid_and_bpd(tmp_path, monkeypatch):
     monkeypatch.setattr(fid, "inception", lambda device, weights=None: TinyFeatures())
-    tc = tiny_trainer(tmp_path / "run", max_steps=4, eval_every_steps=2, eval_fid_samples=12, eval_sample_steps=2,
+    tc = tiny_trainer(tmp_path / "run", max_steps=4, eval_every_steps=2, eval_fid_samples=12,
+                      eval_sample_steps=2,
                       eval_bpd_images=6, eval_bpd_strata=2, fid_stats_dir=str(tmp_path / "stats"))
     train(tiny_model(), tc, preset="test")
     evals = read_metrics(tmp_path / "run", "fid")
     assert [r["step"] for r in evals] == [2, 4]
     for r in evals:
         assert r["fid"] > 0 and 0 < r["bpd"] < 100 and r["bpd_images"] == 6 and r["fid_samples"] == 12
-    assert os.listdir(tmp_path / "stats") == ["shapes-train-16px-n512-tiny.npz"]  # the cached reference statistics
+    # the cached reference statistics
+    assert os.listdir(tmp_path / "stats") == ["shapes-train-16px-n512-tiny.npz"]
 
 
 def test_training_eval_fails_before_training_when_offline(tmp_path, monkeypatch):
@@ -140,7 +144,8 @@ def test_the_real_inception_network_runs_offline_with_local_weights(tmp_path, mo
     """torch-fidelity's InceptionV3 through fid.inception, from a weights file placed where the offline
     message says (random weights here: no download), on CIFAR-sized uint8 images."""
     fe = pytest.importorskip("torch_fidelity.feature_extractor_inceptionv3")
-    with monkeypatch.context() as m:  # build the network once without weights, to write a file of the right shape
+    # build the network once without weights, to write a file of the right shape
+    with monkeypatch.context() as m:
         m.setattr(fe, "load_state_dict_from_url", lambda *a, **k: {})
         m.setattr(torch.nn.Module, "load_state_dict", lambda self, *a, **k: None)
         net = fe.FeatureExtractorInceptionV3("inception-v3-compat", ["2048"])

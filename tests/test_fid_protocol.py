@@ -61,7 +61,8 @@ def test_each_image_has_its_own_noise_and_one_image_is_diffusion_sample(run_dir)
     noise3, noise1 = sampling.ImageNoise(7, [4, 5, 6]), sampling.ImageNoise(7, [5])
     for _ in range(3):  # z_T, then two steps' draws: each image's in its own order
         assert torch.equal(noise3((3, 3, 4, 4))[1], noise1((1, 3, 4, 4))[0])
-    assert sampling.image_seed(0, 1) != sampling.image_seed(1, 0) and 0 <= sampling.image_seed(2**63 - 1, 10**9) < 2**63
+    assert sampling.image_seed(0, 1) != sampling.image_seed(1, 0) and 0 <= sampling.image_seed(2**63 - 1,
+                                                                                               10**9) < 2**63
     model, mc, _ = ddpm.load_ema(str(run_dir / "ema.pt"), "cpu")
     diffusion = ddpm.Diffusion(mc)
     for sampler, eta in (("ddpm", 0.0), ("ddim", 0.5), ("heun", 0.0)):
@@ -98,8 +99,10 @@ def test_images_are_the_same_for_any_batch(run_dir, tmp_path, sampler, steps, et
 def test_two_processes_write_the_same_npz_and_fid_as_one(run_dir, tmp_path):
     """torchrun with 2 gloo processes: the same .npz, byte for byte, the same PNGs and the same FID as one
     process; one result, from rank 0."""
-    argv = common(run_dir, "{out}", "--num_images", "10", "--batch", "2", "--shard_size", "2", "--sampler", "ddpm",
-                  "--steps", "5", "--eval", "fid", "--stats_dir", str(tmp_path / "stats"), "--png_dir", "{png}")
+    argv = common(run_dir, "{out}", "--num_images", "10", "--batch", "2", "--shard_size", "2", "--sampler",
+                  "ddpm",
+                  "--steps", "5", "--eval", "fid", "--stats_dir", str(tmp_path / "stats"),
+                  "--png_dir", "{png}")
     results = {}
     for world in (1, 2):
         out, png = tmp_path / f"w{world}" / "s.png", tmp_path / f"w{world}" / "png"
@@ -136,13 +139,14 @@ def test_an_interrupted_run_continues_to_the_same_npz(run_dir, tmp_path, capsys,
     err = one_line_error(capsys, sample.main, argv, code=1)
     assert "stopped by a signal" in err and "cut.shards" in err
     monkeypatch.setattr(shards, "save", real)
-    assert sorted(os.listdir(tmp_path / "cut.shards")) == ["manifest.json", "shard-000000.npz", "shard-000001.npz"]
+    assert sorted(os.listdir(tmp_path / "cut.shards")) == ["manifest.json", "shard-000000.npz",
+                                                           "shard-000001.npz"]
     assert not (tmp_path / "cut.npz").exists()
     resumed = sample.main(argv)
     assert (resumed["resumed"], resumed["drawn"], resumed["nfe_per_image"]) == (4, 6, 10)
     assert "resuming: 4/10 images already drawn" in capsys.readouterr().out
-    straight = sample.main(common(run_dir, tmp_path / "straight.png", "--n", "10", "--batch", "3", "--shard_size",
-                                  "2", "--sampler", "ddpm", "--steps", "5"))
+    straight = sample.main(common(run_dir, tmp_path / "straight.png", "--n", "10", "--batch", "3",
+                                  "--shard_size", "2", "--sampler", "ddpm", "--steps", "5"))
     assert straight["resumed"] == 0
     assert (tmp_path / "cut.npz").read_bytes() == (tmp_path / "straight.npz").read_bytes()
 
@@ -175,8 +179,8 @@ def test_shards_of_other_settings_are_refused_in_one_line(run_dir, tmp_path, cap
     """A shard folder of other settings (a seed, a sampler, other weights) is never mixed in; the same EMA
     weights from ckpt.pt or ema.pt are the same checkpoint."""
     def argv(out, *extra):
-        return ["--ckpt", str(run_dir / "ckpt.pt"), "--n", "4", "--batch", "2", "--shard_size", "2", "--steps",
-                "2", "--keep_shards", "--out", str(out), *extra]
+        return ["--ckpt", str(run_dir / "ckpt.pt"), "--n", "4", "--batch", "2", "--shard_size", "2",
+                "--steps", "2", "--keep_shards", "--out", str(out), *extra]
 
     sample.main(argv(tmp_path / "a.png"))
     manifest = json.loads((tmp_path / "a.shards" / "manifest.json").read_text())["settings"]
@@ -188,7 +192,8 @@ def test_shards_of_other_settings_are_refused_in_one_line(run_dir, tmp_path, cap
     ckpt = torch.load(run_dir / "ema.pt", weights_only=True)
     ckpt["ema"] = {k: v + 1e-3 if v.is_floating_point() else v for k, v in ckpt["ema"].items()}
     torch.save(ckpt, tmp_path / "other.pt")
-    err = one_line_error(capsys, sample.main, [*argv(tmp_path / "a.png")[2:], "--ckpt", str(tmp_path / "other.pt")])
+    err = one_line_error(capsys, sample.main, [*argv(tmp_path / "a.png")[2:], "--ckpt",
+                                               str(tmp_path / "other.pt")])
     assert "holds images of other settings (checkpoint" in err
     same = sample.main([*argv(tmp_path / "a.png")[2:], "--ckpt", str(run_dir / "ema.pt")])
     assert same["drawn"] == 0 and same["resumed"] == 4 and same["img_per_s"] is None
@@ -208,8 +213,8 @@ def test_shards_of_other_settings_are_refused_in_one_line(run_dir, tmp_path, cap
 def test_the_npz_is_the_adm_evaluators_layout_and_pngs_match_it(run_dir, tmp_path, capsys):
     """arr_0: uint8 (N, H, W, 3) in C order and arr_1: int64 labels, stored (uncompressed) .npy entries as
     np.savez writes them, which guided-diffusion's evaluator reads; --png_dir holds the same images."""
-    sample.main(common(run_dir, tmp_path / "s.png", "--n", "5", "--batch", "2", "--shard_size", "2", "--steps",
-                       "2", "--png_dir", str(tmp_path / "png")))
+    sample.main(common(run_dir, tmp_path / "s.png", "--n", "5", "--batch", "2", "--shard_size", "2",
+                       "--steps", "2", "--png_dir", str(tmp_path / "png")))
     with zipfile.ZipFile(tmp_path / "s.npz") as zf:
         assert [i.filename for i in zf.infolist()] == ["arr_0.npy", "arr_1.npy"]
         assert all(i.compress_type == zipfile.ZIP_STORED for i in zf.infolist())
@@ -227,7 +232,8 @@ def test_the_npz_is_the_adm_evaluators_layout_and_pngs_match_it(run_dir, tmp_pat
     for i in range(5):
         assert np.array_equal(np.asarray(Image.open(tmp_path / "png" / f"{i:06d}.png")), images[i])
     (tmp_path / "png" / "stray.jpg").write_bytes(b"x")
-    err = one_line_error(capsys, sample.main, common(run_dir, tmp_path / "t.png", "--png_dir", str(tmp_path / "png")))
+    err = one_line_error(capsys, sample.main, common(run_dir, tmp_path / "t.png", "--png_dir",
+                                                     str(tmp_path / "png")))
     assert "holds 1 other files (stray.jpg" in err
 
 
@@ -263,7 +269,8 @@ def test_the_result_records_the_protocol(run_dir, tmp_path, monkeypatch, capsys)
     out = capsys.readouterr().out
     assert out.count("warning: FID is biased upward at small n (12 < 50,000 samples)") == 1
     assert result == json.loads((tmp_path / "s.json").read_text())
-    assert {k: result[k] for k in ("n", "sampler", "steps", "guidance", "threshold", "seed", "weights")} == dict(
+    assert {k: result[k] for k in ("n", "sampler", "steps", "guidance", "threshold", "seed",
+                                   "weights")} == dict(
         n=12, sampler="ddim", steps=3, guidance=1.5, threshold="static", seed=0, weights="EMA")
     assert result["checkpoint"]["step"] == 3 and result["checkpoint"]["path"] == str(run_dir / "ema.pt")
     model, _, _ = ddpm.load_ema(str(run_dir / "ema.pt"), "cpu")
@@ -303,7 +310,8 @@ def test_local_inception_weights_are_hashed_and_a_wrong_file_is_one_line(tmp_pat
     for bad, needle in ((tmp_path / "other.pth", "is not the Inception weights file"),
                         (tmp_path / "x.npz", "is not the Inception weights file"),
                         (tmp_path / "missing.pth", "no such file")):
-        err = one_line_error(capsys, evaluate.main, ["--fid", str(tmp_path / "x.npz"), str(tmp_path / "x.npz"),
+        err = one_line_error(capsys, evaluate.main, ["--fid", str(tmp_path / "x.npz"),
+                                                     str(tmp_path / "x.npz"),
                                                      "--inception_weights", str(bad)])
         assert needle in err and "--inception_weights" in err
     monkeypatch.setenv(fid.WEIGHTS_ENV, str(tmp_path / "other.pth"))
@@ -331,7 +339,8 @@ def test_evaluate_scores_npz_folders_and_dataset_splits(run_dir, tmp_path, monke
     assert far["fid"] > 20 * sanity["fid"] and far["reference_stats"]["image_size"] == 16  # the .npz's size
     assert sanity["reference"] == "shapes:train, 256 images" and sanity["reference_stats"]["split"] == "train"
     assert sanity["n"] == 256 and sanity["samples"] == "shapes:test"
-    sample.main(common(run_dir, tmp_path / "s.png", "--n", "20", "--steps", "2", "--png_dir", str(tmp_path / "png")))
+    sample.main(common(run_dir, tmp_path / "s.png", "--n", "20", "--steps", "2", "--png_dir",
+                       str(tmp_path / "png")))
     same = evaluate.main(["--fid", f"folder:{tmp_path / 'png'}", str(tmp_path / "s.npz")])
     assert same["fid"] == pytest.approx(0, abs=1e-3) and same["reference_stats"]["kind"] == "npz"
     out = capsys.readouterr().out

@@ -17,7 +17,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 def test_bf16_compiled_training_on_the_gpu(tmp_path):
     out = tmp_path / "run"
-    train(tiny_model(num_classes=4), tiny_trainer(out, device="cuda", precision="bf16", compile="true", max_steps=20),
+    train(tiny_model(num_classes=4), tiny_trainer(out, device="cuda", precision="bf16", compile="true",
+                                                  max_steps=20),
           preset="test")
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert rows[-1]["loss"] < rows[0]["loss"] and rows[-1]["img_per_s"] > 0
@@ -61,7 +62,8 @@ def test_ffcv_loader_on_the_gpu(tmp_path):
 
 @pytest.mark.parametrize("loader_cls", [Loader, ResidentLoader])
 def test_the_training_step_never_syncs_with_the_host(loader_cls):
-    """Data, forward, backward, clipping, the non-finite check, AdamW and the EMA: all queued, no host sync."""
+    """Data, forward, backward, clipping, the non-finite check, AdamW and the EMA: all queued, no host
+    sync."""
     mc, tc = tiny_model(num_classes=4), ddpm.TrainerConfig(batch_size=8)
     b = ddpm.build(mc, dataclasses.replace(tc, compile="false", channels_last="true"), torch.device("cuda"))
     model, ema, diffusion, opt = b.model, b.ema, b.diffusion, b.opt
@@ -89,9 +91,9 @@ def test_cuda_graph_training(tmp_path, mode):
 
 
 def test_graphed_sampling_draws_the_eager_images_on_the_gpu(run_dir, tmp_path):
-    """sample.py --compile reduce-overhead replays each sampler step as CUDA graphs: DPM-Solver++ keeps the last
-    step's x̂₀ across a replay (the outputs are copied), guided, with a short last batch padded; the images match
-    eager ones to bf16's rounding. --batch 0 fills the GPU: here all --n images in one batch."""
+    """sample.py --compile reduce-overhead replays each sampler step as CUDA graphs: DPM-Solver++ keeps the
+    last step's x̂₀ across a replay (the outputs are copied), guided, with a short last batch padded; the
+    images match eager ones to bf16's rounding. --batch 0 fills the GPU: here all --n images in one batch."""
     import numpy as np
 
     import sample

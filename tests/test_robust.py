@@ -33,7 +33,7 @@ def test_every_numeric_field_has_a_range():
     for cls in (ModelConfig, TrainerConfig):
         for f in dataclasses.fields(cls):
             if type(f.default) in (int, float):
-                assert "range" in f.metadata, f"{cls.__name__}.{f.name} has no range: declare it with ddpm.ranged"
+                assert "range" in f.metadata, f"{cls.__name__}.{f.name} has no range: declare it ranged"
 
 
 def test_a_range_beside_its_field_is_what_validate_checks():
@@ -45,10 +45,11 @@ def test_a_range_beside_its_field_is_what_validate_checks():
 
 
 @pytest.mark.parametrize("arg", ["--lr=-1", "--lr=nan", "--lr=inf", "--adam_beta1=1.5", "--adam_beta2=nan",
-                                 "--weight_decay=-1", "--min_snr_gamma=-1", "--guidance=nan", "--sample_every_steps=-1",
-                                 "--num_workers=-1", "--max_steps=-1", "--shapes_count=0", "--num_samples=-1",
-                                 "--channel_mult=1,0.001", "--seed=1180591620717411303424", "--grad_clip=inf",
-                                 "--dropout=nan", "--beta_end=inf", "--channel_mult=1,nan", "--base_channels=2"])
+                                 "--weight_decay=-1", "--min_snr_gamma=-1", "--guidance=nan",
+                                 "--sample_every_steps=-1", "--num_workers=-1", "--max_steps=-1",
+                                 "--shapes_count=0", "--num_samples=-1", "--channel_mult=1,0.001",
+                                 "--seed=1180591620717411303424", "--grad_clip=inf", "--dropout=nan",
+                                 "--beta_end=inf", "--channel_mult=1,nan", "--base_channels=2"])
 def test_out_of_range_values_are_refused(arg):
     with pytest.raises(UserError, match=arg[2:].split("=")[0].replace("channel_mult", "channel_mult")):
         parse_args([arg])
@@ -80,11 +81,13 @@ def test_a_folder_named_like_a_checkpoint(tmp_path):
     out = tmp_path / "w" / "v1.pt_runs"
     train(tiny_model(), tiny_trainer(out, max_steps=2, ckpt_every_steps=1), preset="test")
     assert {f for f in os.listdir(out) if ".pt" in f} == {"ckpt.pt", "ckpt.prev.pt", "ema.pt"}
-    assert checkpoints.previous_path(os.path.join("runs", "v1.pt", "ckpt.pt")) == os.path.join("runs", "v1.pt", "ckpt.prev.pt")
+    prev = checkpoints.previous_path(os.path.join("runs", "v1.pt", "ckpt.pt"))
+    assert prev == os.path.join("runs", "v1.pt", "ckpt.prev.pt")
 
 
 def test_grids_before_the_first_log_line(tmp_path):
-    train(tiny_model(), tiny_trainer(tmp_path, max_steps=2, sample_every_steps=1, log_every_steps=5), preset="test")
+    train(tiny_model(), tiny_trainer(tmp_path, max_steps=2, sample_every_steps=1, log_every_steps=5),
+          preset="test")
     assert (tmp_path / "samples_0000001.png").exists() and (tmp_path / "loss.png").exists()
 
 
@@ -99,7 +102,8 @@ def test_a_second_run_on_the_same_folder_is_refused(tmp_path):
         with pytest.raises(UserError, match=f"in use by another run \\(pid {owner.pid}"):
             train(tiny_model(), tiny_trainer(tmp_path, max_steps=1), preset="test")
         assert not (tmp_path / "config.json").exists() and not (tmp_path / "metrics.jsonl").exists()
-        (tmp_path / "run.lock").write_text(json.dumps({**lock, "host": "another-host"}))  # cannot be checked: refused
+        # cannot be checked: refused
+        (tmp_path / "run.lock").write_text(json.dumps({**lock, "host": "another-host"}))
         with pytest.raises(UserError, match="on another-host"):
             train(tiny_model(), tiny_trainer(tmp_path, max_steps=1), preset="test")
     finally:
@@ -112,8 +116,9 @@ def test_a_second_run_on_the_same_folder_is_refused(tmp_path):
 
 def test_a_run_started_beside_a_live_one_is_refused(tmp_path):
     first = subprocess.Popen([sys.executable, "ddpm.py", *TINY_ARGS, "--loader=torch", "--max_steps=100000",
-                              "--log_every_steps=1", f"--out_dir={tmp_path}"], cwd=ROOT, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                              "--log_every_steps=1", f"--out_dir={tmp_path}"], cwd=ROOT,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         deadline = time.time() + 1800  # a hang guard
         while time.time() < deadline and not (tmp_path / "metrics.jsonl").exists():
@@ -141,7 +146,8 @@ def test_weights_that_overflow_never_overwrite_a_checkpoint(tmp_path, monkeypatc
 
     monkeypatch.setattr(ddpm, "train_step", poisoned)
     with pytest.raises(UserError, match="no longer finite at step 4.*left as it was"):
-        train(tiny_model(), tiny_trainer(tmp_path, max_steps=6, ckpt_every_steps=2, max_nonfinite_steps=100), preset="test")
+        train(tiny_model(), tiny_trainer(tmp_path, max_steps=6, ckpt_every_steps=2, max_nonfinite_steps=100),
+              preset="test")
     ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
     assert ckpt["step"] == 2 and all(torch.isfinite(v).all() for v in ckpt["model"].values())
     assert not (tmp_path / "run.lock").exists()
@@ -166,13 +172,15 @@ def ema_pt(tmp_path_factory):
 
 
 @pytest.mark.parametrize("extra,needle", [
-    (["--guidance", "nan"], "--guidance nan"), (["--eta", "-1"], "--eta"), (["--percentile", "2"], "--percentile"),
+    (["--guidance", "nan"], "--guidance nan"), (["--eta", "-1"], "--eta"), (["--percentile", "2"],
+                                                                            "--percentile"),
     (["--seed", "-1"], "--seed"), (["--out", "{d}/grid"], "image extension"),
     (["--out", "{d}/file/grid.png"], "cannot make the folder"),
 ])
 def test_sample_cli_refuses_before_sampling(tmp_path, capsys, ema_pt, extra, needle):
     (tmp_path / "file").write_text("a file, not a folder")
-    err = one_line_error(capsys, sample.main, ["--ckpt", ema_pt, "--steps", "2", *[a.format(d=tmp_path) for a in extra]])
+    err = one_line_error(capsys, sample.main, ["--ckpt", ema_pt, "--steps", "2",
+                                               *[a.format(d=tmp_path) for a in extra]])
     assert needle in err
 
 
@@ -255,7 +263,8 @@ def test_every_image_mode_converts_to_8_bit_rgb():
     palette = Image.new("P", (4, 4), 1)
     palette.putpalette([0, 0, 0, 200, 200, 200])
     cases = {
-        "I;16": (gray16, 128), "I": (gray16.convert("I"), 128), "F": (Image.fromarray(np.full((4, 4), 0.5, np.float32)), 128),
+        "I;16": (gray16, 128), "I": (gray16.convert("I"), 128),
+        "F": (Image.fromarray(np.full((4, 4), 0.5, np.float32)), 128),
         "L": (Image.new("L", (4, 4), 200), 200), "LA": (Image.new("LA", (4, 4), (200, 10)), 200),
         "P": (palette, 200),
         "RGBA": (Image.new("RGBA", (4, 4), (200, 200, 200, 0)), 200), "1": (Image.new("1", (4, 4), 1), 255),

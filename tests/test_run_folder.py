@@ -33,10 +33,12 @@ def test_links_planted_at_the_run_outputs_are_replaced_never_followed(tmp_path):
     out = tmp_path / "run"
     victim = plant_links(out, OUTPUTS)
     os.remove(out / "ckpt.pt")  # a folder with a checkpoint needs --resume; the first run writes it afresh
-    train(tiny_model(), tiny_trainer(out, max_steps=4, sample_every_steps=2, ckpt_every_steps=2, log_every_steps=2),
+    train(tiny_model(), tiny_trainer(out, max_steps=4, sample_every_steps=2, ckpt_every_steps=2,
+                                     log_every_steps=2),
           preset="test")
     assert victim.read_text() == "precious"
-    for name in ["ckpt.pt", "ema.pt", "config.json", "loss.png", "samples_0000002.png", "samples_0000004.png"]:
+    for name in ["ckpt.pt", "ema.pt", "config.json", "loss.png", "samples_0000002.png",
+                 "samples_0000004.png"]:
         assert files.is_regular(out / name), name
     assert files.is_regular(out / "ckpt.prev.pt")  # the step-2 checkpoint, not the link
     # and a resumed run into the same folder, links planted again at every file it writes
@@ -47,7 +49,8 @@ def test_links_planted_at_the_run_outputs_are_replaced_never_followed(tmp_path):
     train(tiny_model(), tiny_trainer(out, max_steps=6, resume=True, sample_every_steps=2, ckpt_every_steps=2,
                                      log_every_steps=2), preset="test")
     assert victim.read_text() == "precious"
-    assert all(files.is_regular(out / n) for n in ["ckpt.prev.pt", "ema.pt", "loss.png", "config-resume-4.json"])
+    assert all(files.is_regular(out / n) for n in ["ckpt.prev.pt", "ema.pt", "loss.png",
+                                                   "config-resume-4.json"])
 
 
 @pytest.mark.parametrize("make", ["symlink", "fifo"])
@@ -58,7 +61,8 @@ def test_metrics_jsonl_that_is_not_a_regular_file_is_refused_in_one_line(tmp_pat
         os.symlink(victim, out / "metrics.jsonl")
     else:
         os.mkfifo(out / "metrics.jsonl")
-    err = one_line_error(capsys, ddpm.main, [*TINY_ARGS, "--loader=torch", "--max_steps=2", f"--out_dir={out}"])
+    err = one_line_error(capsys, ddpm.main, [*TINY_ARGS, "--loader=torch", "--max_steps=2",
+                                             f"--out_dir={out}"])
     assert "metrics.jsonl is not a regular file" in err
     assert victim.read_text() == "precious" and not (out / "run.lock").exists()
 
@@ -67,10 +71,11 @@ def test_a_fifo_in_place_of_a_checkpoint_never_blocks(tmp_path, capsys):
     out = tmp_path / "run"
     out.mkdir()
     os.mkfifo(out / "ckpt.pt")
-    err = one_line_error(capsys, ddpm.main, [*TINY_ARGS, "--loader=torch", "--max_steps=2", f"--out_dir={out}",
-                                             "--resume"])
+    err = one_line_error(capsys, ddpm.main, [*TINY_ARGS, "--loader=torch", "--max_steps=2",
+                                             f"--out_dir={out}", "--resume"])
     assert "no checkpoint at" in err  # a FIFO is no checkpoint of this folder
-    err = one_line_error(capsys, sample.main, ["--ckpt", str(out / "ckpt.pt"), "--out", str(tmp_path / "g.png")])
+    err = one_line_error(capsys, sample.main, ["--ckpt", str(out / "ckpt.pt"), "--out",
+                                               str(tmp_path / "g.png")])
     assert "cannot read checkpoint" in err and "not a regular file" in err
 
 
@@ -100,7 +105,8 @@ def test_metrics_rows_are_single_whole_writes(tmp_path, monkeypatch):
     assert writes == [b'{"step": 1, "loss": 0.5}\n']
 
 
-@pytest.mark.parametrize("content", [b"", b"\x00\xff\xfe binary", b'{"host": "h", "pid": 12', b'{"host": "h", "pid": -1}',
+@pytest.mark.parametrize("content", [b"", b"\x00\xff\xfe binary", b'{"host": "h", "pid": 12',
+                                     b'{"host": "h", "pid": -1}',
                                      b'{"host": "h", "pid": 0}', b"[1, 2]", b'{"host": "h", "pid": true}'])
 @pytest.mark.parametrize("age_s", [0, 3600])
 def test_a_lock_that_cannot_be_parsed_or_names_no_process_is_stale(tmp_path, capsys, content, age_s):
@@ -204,7 +210,8 @@ def test_resume_on_other_data_is_refused_unless_asked_for(tmp_path, capsys):
     assert torch.load(out / "ckpt.pt", weights_only=True)["data"]["shapes_count"] == 512
     args = [*TINY_ARGS, "--loader=torch", "--max_steps=4", f"--out_dir={out}", "--resume"]
     err = one_line_error(capsys, ddpm.main, [*args, "--shapes_count=300"])
-    assert "the data differ from the checkpoint's (shapes_count: 512 -> 300)" in err and "--resume_new_data" in err
+    assert "the data differ from the checkpoint's (shapes_count: 512 -> 300)" in err
+    assert "--resume_new_data" in err
     import numpy as np
     from PIL import Image
 

@@ -14,8 +14,8 @@ from ddpm import train
 @pytest.mark.parametrize("ckpt", ["ckpt.pt", "ema.pt"])
 def test_writes_grid_and_npz(run_dir, tmp_path, ckpt):
     out = tmp_path / "grid.png"
-    sample.main(["--ckpt", str(run_dir / ckpt), "--n", "10", "--batch", "4", "--steps", "5", "--guidance", "1.5",
-                 "--out", str(out)])
+    sample.main(["--ckpt", str(run_dir / ckpt), "--n", "10", "--batch", "4", "--steps", "5", "--guidance",
+                 "1.5", "--out", str(out)])
     assert out.exists() and out.stat().st_size > 0
     z = np.load(tmp_path / "grid.npz")
     assert z["arr_0"].shape == (10, 16, 16, 3) and z["arr_0"].dtype == np.uint8
@@ -24,25 +24,28 @@ def test_writes_grid_and_npz(run_dir, tmp_path, ckpt):
 
 def test_batching_does_not_change_the_samples(run_dir, tmp_path):
     for batch in (3, 10):
-        sample.main(["--ckpt", str(run_dir / "ema.pt"), "--n", "6", "--batch", str(batch), "--sampler", "ddim",
-                     "--steps", "4", "--label", "2", "--out", str(tmp_path / f"b{batch}.png")])
+        sample.main(["--ckpt", str(run_dir / "ema.pt"), "--n", "6", "--batch", str(batch), "--sampler",
+                     "ddim", "--steps", "4", "--label", "2", "--out", str(tmp_path / f"b{batch}.png")])
     a, b = np.load(tmp_path / "b3.npz"), np.load(tmp_path / "b10.npz")
     assert (a["arr_1"] == 2).all()
     assert a["arr_0"].shape == b["arr_0"].shape == (6, 16, 16, 3)
 
 
-@pytest.mark.parametrize("content,needle", [(None, "no checkpoint at"), (b"not a checkpoint", "cannot read checkpoint")])
+@pytest.mark.parametrize("content,needle", [(None, "no checkpoint at"),
+                                            (b"not a checkpoint", "cannot read checkpoint")])
 def test_bad_checkpoints_are_one_line(tmp_path, capsys, content, needle):
     path = tmp_path / "bad.pt"
     if content is not None:
         path.write_bytes(content)
-    assert needle in one_line_error(capsys, sample.main, ["--ckpt", str(path), "--out", str(tmp_path / "x.png")])
+    assert needle in one_line_error(capsys, sample.main, ["--ckpt", str(path), "--out",
+                                                          str(tmp_path / "x.png")])
 
 
 def test_split_experts_warm_start_and_sample_together(tmp_path):
     mc_low, mc_high = tiny_model(split_timestep=40), tiny_model(split_timestep=40, split_part="high")
     train(mc_low, tiny_trainer(tmp_path / "low", max_steps=3), preset="test")
-    train(mc_high, tiny_trainer(tmp_path / "high", max_steps=3, init_from=str(tmp_path / "low" / "ckpt.pt")), preset="test")
+    train(mc_high, tiny_trainer(tmp_path / "high", max_steps=3, init_from=str(tmp_path / "low" / "ckpt.pt")),
+          preset="test")
     out = tmp_path / "split.png"
     sample.main(["--ckpt", str(tmp_path / "low" / "ema.pt"), "--ckpt_high", str(tmp_path / "high" / "ema.pt"),
                  "--n", "4", "--steps", "6", "--out", str(out)])
@@ -53,9 +56,10 @@ def test_split_experts_warm_start_and_sample_together(tmp_path):
 
 def test_eval_bpd_on_held_out_images(run_dir, tmp_path):
     out = tmp_path / "bpd.png"
-    exact = sample.main(["--ckpt", str(run_dir / "ckpt.pt"), "--eval", "bpd", "--n", "32", "--batch", "16", "--out", str(out)])
-    est = sample.main(["--ckpt", str(run_dir / "ema.pt"), "--eval", "bpd", "--n", "32", "--batch", "16", "--strata", "10",
-                       "--out", str(out)])
+    exact = sample.main(["--ckpt", str(run_dir / "ckpt.pt"), "--eval", "bpd", "--n", "32", "--batch", "16",
+                         "--out", str(out)])
+    est = sample.main(["--ckpt", str(run_dir / "ema.pt"), "--eval", "bpd", "--n", "32", "--batch", "16",
+                       "--strata", "10", "--out", str(out)])
     assert 0 < exact["bpd"] < 50 and exact["n"] == 32 and exact["dataset"] == "shapes"
     assert est["estimator_se"] > 0 and abs(est["bpd"] - exact["bpd"]) < 5 * est["estimator_se"] + 0.05
     assert json.load(open(tmp_path / "bpd.json"))["strata"] == 10
@@ -121,12 +125,14 @@ def test_a_sampler_registered_after_import_is_a_choice(run_dir, tmp_path):
                            "--sampler", "dummy", "--out", str(out)])
     finally:
         ddpm.SAMPLERS.pop("dummy", None)
-    assert (run["sampler"], run["steps"], run["nfe_per_image"]) == ("dummy", 100, 1)  # all T of the tiny model
+    # all T of the tiny model
+    assert (run["sampler"], run["steps"], run["nfe_per_image"]) == ("dummy", 100, 1)
     assert calls == [100, 100]  # two batches, each given all T timesteps
     assert out.exists() and out.stat().st_size > 0
     assert np.load(tmp_path / "dummy.npz")["arr_0"].shape == (3, 16, 16, 3)
     with pytest.raises(SystemExit) as e:
-        sample.main(["--ckpt", str(run_dir / "ema.pt"), "--sampler", "dummy", "--out", str(tmp_path / "x.png")])
+        sample.main(["--ckpt", str(run_dir / "ema.pt"), "--sampler", "dummy", "--out",
+                     str(tmp_path / "x.png")])
     assert e.value.code == 2
 
 
@@ -175,26 +181,29 @@ def test_bf16_weights_give_the_bits_autocast_gives():
         got = net(z, t, y)
     convs = [m for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
     assert {m.weight.dtype for m in convs} == {torch.bfloat16} == {model.time_mlp[0].weight.dtype}
-    assert model.norm_out.weight.dtype == model.class_emb.weight.dtype == torch.float32  # not cast by autocast
+    # not cast by autocast
+    assert model.norm_out.weight.dtype == model.class_emb.weight.dtype == torch.float32
     assert not capture.compiled and want.abs().mean() > 0.01
     assert torch.equal(got, want)
 
 
 def test_a_compiled_step_draws_the_eager_images_to_bf16_rounding(run_dir, tmp_path):
     """--compile captures each guided sampler step whole (one graph: a short last batch is padded to --batch,
-    not compiled again); the images match the eager ones to bf16's rounding, and the padding is not counted."""
+    not compiled again); the images match the eager ones to bf16's rounding, and the padding is not
+    counted."""
     import torch
 
     runs, graphs = {}, torch._dynamo.utils.counters["stats"]
     for mode in ("false", "default"):
         before = graphs["unique_graphs"]
-        runs[mode] = sample.main(["--ckpt", str(run_dir / "ema.pt"), "--n", "6", "--batch", "4", "--sampler", "ddim",
-                                  "--steps", "4", "--guidance", "2", "--compile", mode,
+        runs[mode] = sample.main(["--ckpt", str(run_dir / "ema.pt"), "--n", "6", "--batch", "4", "--sampler",
+                                  "ddim", "--steps", "4", "--guidance", "2", "--compile", mode,
                                   "--out", str(tmp_path / f"{mode}.png")])
         runs[mode]["graphs"] = graphs["unique_graphs"] - before
     assert (runs["false"]["graphs"], runs["default"]["graphs"]) == (0, 1)
     assert runs["default"]["compile"] == "default" and runs["false"]["compile"] == "false"
     assert runs["default"]["nfe_per_image"] == runs["false"]["nfe_per_image"] == 8
-    eager, compiled = (np.load(tmp_path / f"{mode}.npz")["arr_0"].astype(int) for mode in ("false", "default"))
+    eager, compiled = (np.load(tmp_path / f"{mode}.npz")["arr_0"].astype(int) for mode in ("false",
+                                                                                           "default"))
     diff = np.abs(eager - compiled)
     assert diff.max() <= 2 and (diff > 0).mean() < 0.02 and eager.std() > 10

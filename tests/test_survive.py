@@ -26,8 +26,8 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # two processes on two cores
 
 
 def cli(*args, launcher=(sys.executable,), env=ENV, **kw):
-    return subprocess.run([*launcher, "ddpm.py", *TINY, *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=1800, **kw)
+    return subprocess.run([*launcher, "ddpm.py", *TINY, *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=1800, **kw)
 
 
 def weights(run):
@@ -41,11 +41,15 @@ def free_port():
 
 
 def test_two_gloo_processes_with_accumulation_equal_one_with_the_same_global_batch(tmp_path):
-    loader = "ffcv" if beton.ffcv_available() else "torch"  # FFCV in its distributed mode where it is installed
-    common = ["--num_classes=4", "--batch_size=16", "--max_steps=4", "--log_every_steps=2", f"--loader={loader}",
-              f"--beton_dir={tmp_path / 'betons'}", "--sample_every_steps=2",  # grids and bits/dim, split across ranks
+    # FFCV in its distributed mode where it is installed
+    loader = "ffcv" if beton.ffcv_available() else "torch"
+    common = ["--num_classes=4", "--batch_size=16", "--max_steps=4", "--log_every_steps=2",
+              f"--loader={loader}",
+              # grids and bits/dim, split across ranks
+              f"--beton_dir={tmp_path / 'betons'}", "--sample_every_steps=2",
               "--eval_every_steps=2", "--eval_fid_samples=0", "--eval_bpd_images=12", "--eval_bpd_strata=2"]
-    ddpm.main([*TINY, *common, f"--out_dir={tmp_path / 'one'}"])  # in this process; the pair under torchrun below
+    # in this process; the pair under torchrun below
+    ddpm.main([*TINY, *common, f"--out_dir={tmp_path / 'one'}"])
     # and each rank's 8 images as 2 micro-batches of 4 (DDP's no_sync on the first): still the same training
     two = cli(*common, "--grad_accum_steps=2", f"--out_dir={tmp_path / 'two'}", launcher=(
         sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
@@ -65,7 +69,8 @@ def test_two_gloo_processes_with_accumulation_equal_one_with_the_same_global_bat
     rows_a, rows_b = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
     assert [r["step"] for r in rows_b] == [2, 4]  # one writer
     evals = read_metrics(tmp_path / "two", "bpd")
-    assert [(r["step"], r["bpd_images"]) for r in evals] == [(2, 12), (4, 12)] and all(r["bpd"] > 0 for r in evals)
+    assert [(r["step"], r["bpd_images"]) for r in evals] == [(2, 12),
+                                                             (4, 12)] and all(r["bpd"] > 0 for r in evals)
     assert sorted(f for f in os.listdir(tmp_path / "two") if f.startswith("samples_")) == [
         "samples_0000002.png", "samples_0000004.png"]
     for ra, rb in zip(rows_a, rows_b):  # the logged loss is the global batch's, all-reduced
@@ -85,14 +90,15 @@ def endless_torchrun(run):
     p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
                           "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", "ddpm.py", *TINY,
                           "--batch_size=8", "--loader=torch", "--log_every_steps=1", "--max_steps=100000",
-                          f"--out_dir={run}"], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True)
+                          f"--out_dir={run}"], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
     wait_for_metrics(run, 2)
     return p
 
 
 def test_sigterm_to_one_rank_stops_both_after_the_same_step(tmp_path):
-    """Preemption reaches one worker: the ranks agree (gloo all-reduce), both stop, rank 0 saves, torchrun exits 0."""
+    """Preemption reaches one worker: the ranks agree (gloo all-reduce), both stop, rank 0 saves, torchrun
+    exits 0."""
     run = tmp_path / "run"
     p = endless_torchrun(run)
     workers = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
@@ -107,9 +113,9 @@ def test_sigterm_to_one_rank_stops_both_after_the_same_step(tmp_path):
 
 
 def test_sigterm_to_the_torchrun_launcher_saves_and_resume_continues(tmp_path):
-    """What a cluster scheduler sends: torchrun forwards SIGTERM to the workers, which stop after the same step
-    with a checkpoint; torchrun itself then exits non-zero with its own SignalException traceback (its behaviour,
-    not a failed save: README). The checkpoint is complete and --resume continues it."""
+    """What a cluster scheduler sends: torchrun forwards SIGTERM to the workers, which stop after the same
+    step with a checkpoint; torchrun itself then exits non-zero with its own SignalException traceback (its
+    behaviour, not a failed save: README). The checkpoint is complete and --resume continues it."""
     run = tmp_path / "run"
     p = endless_torchrun(run)
     p.send_signal(signal.SIGTERM)
@@ -117,8 +123,8 @@ def test_sigterm_to_the_torchrun_launcher_saves_and_resume_continues(tmp_path):
     assert "stopped by SIGTERM" in out and "checkpoint saved" in out, err[-3000:]
     stopped = weights(run)
     assert stopped["world_size"] == 2 and stopped["step"] >= 2 and not (run / "run.lock").exists()
-    ddpm.main([*TINY, "--batch_size=8", "--loader=torch", f"--max_steps={stopped['step'] + 2}", f"--out_dir={run}",
-               "--resume"])
+    ddpm.main([*TINY, "--batch_size=8", "--loader=torch", f"--max_steps={stopped['step'] + 2}",
+               f"--out_dir={run}", "--resume"])
     assert weights(run)["step"] == stopped["step"] + 2
 
 
@@ -142,7 +148,7 @@ def test_sigterm_saves_then_resume_is_bitwise_a_straight_run(tmp_path):
     stopped = weights(run)["step"]
     assert 3 <= stopped < 100000
 
-    # every run in a fresh process of its own, as a cluster would start them (the two side by side, one core each)
+    # every run in a fresh process of its own, as a cluster would start them (two side by side, one core each)
     procs = [subprocess.Popen([sys.executable, "ddpm.py", *TINY, *args, f"--max_steps={stopped + 3}", *extra],
                               cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
              for extra in ([f"--out_dir={run}", "--resume"], [f"--out_dir={straight}"])]
@@ -172,7 +178,8 @@ def test_checkpoints_load_with_weights_only(tmp_path):
     out = tmp_path / "run"
     train(tiny_model(), tiny_trainer(out, max_steps=2), preset="test")
     for name in ("ckpt.pt", "ema.pt"):
-        torch.load(out / name, weights_only=True)  # raises if anything but tensors and plain containers is inside
+        # raises if anything but tensors and plain containers is inside
+        torch.load(out / name, weights_only=True)
     evil = tmp_path / "evil.pt"
     torch.save({"x": object()}, evil)  # a pickle that weights_only refuses
     with pytest.raises(UserError, match="cannot read checkpoint"):
@@ -188,7 +195,8 @@ def test_non_finite_steps_are_skipped_and_counted(tmp_path, monkeypatch):
     assert rows[2]["loss"] is None and rows[4]["loss"] is not None
     ckpt = weights(out)
     assert ckpt["nonfinite_skipped"] == 2
-    assert all(s["step"].item() == 4 for s in ckpt["optimizer"]["state"].values())  # AdamW took 4 of the 6 steps
+    # AdamW took 4 of the 6 steps
+    assert all(s["step"].item() == 4 for s in ckpt["optimizer"]["state"].values())
     assert all(torch.isfinite(v).all() for v in ckpt["model"].values())
 
 
@@ -245,6 +253,6 @@ def test_a_corrupt_beton_is_one_line(tmp_path, capsys):
 def test_empty_or_unreadable_image_folders_are_one_line(tmp_path, capsys, make, needle):
     folder = tmp_path / "images"
     make(folder)
-    err = one_line_error(capsys, ddpm.main, [*TINY, "--dataset=folder", f"--data_dir={folder}", "--loader=torch",
-                                             f"--out_dir={tmp_path / 'run'}"])
+    err = one_line_error(capsys, ddpm.main, [*TINY, "--dataset=folder", f"--data_dir={folder}",
+                                             "--loader=torch", f"--out_dir={tmp_path / 'run'}"])
     assert needle in err

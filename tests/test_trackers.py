@@ -39,7 +39,8 @@ def test_tensorboard_scalars_match_metrics_jsonl_step_for_step_across_a_resume(t
     assert sorted(tags["train/loss"]) == [2, 4, 6, 8]  # one point a step: no duplicates across the resume
     images = acc.Images("samples")
     assert [e.step for e in images] == [4, 8]
-    assert os.path.basename(str(out)) == "run" and any(f.startswith("events.out.tfevents") for f in os.listdir(out))
+    assert os.path.basename(str(out)) == "run"
+    assert any(f.startswith("events.out.tfevents") for f in os.listdir(out))
 
 
 def test_evaluation_rows_go_to_the_trackers_too(tmp_path, monkeypatch):
@@ -48,7 +49,8 @@ def test_evaluation_rows_go_to_the_trackers_too(tmp_path, monkeypatch):
     real = runs.Trackers.log
     monkeypatch.setattr(runs.Trackers, "log", lambda self, row: logged.append(row) or real(self, row))
     out = tmp_path / "run"
-    train(tiny_model(), tiny_trainer(out, max_steps=2, log_to="tensorboard", eval_every_steps=2, eval_fid_samples=0,
+    train(tiny_model(), tiny_trainer(out, max_steps=2, log_to="tensorboard", eval_every_steps=2,
+                                     eval_fid_samples=0,
                                      eval_bpd_images=8, eval_bpd_strata=1, log_every_steps=1), preset="test")
     assert [r["step"] for r in logged if "bpd" in r] == [2]
     tags, _ = scalars(out)
@@ -75,7 +77,8 @@ def test_a_tracker_failing_mid_run_is_a_warning_and_training_goes_on(tmp_path, c
 
     monkeypatch.setattr(SummaryWriter, "add_scalar", full)
     out = tmp_path / "run"
-    train(tiny_model(), tiny_trainer(out, max_steps=6, log_to="tensorboard", log_every_steps=2), preset="test")
+    train(tiny_model(), tiny_trainer(out, max_steps=6, log_to="tensorboard", log_every_steps=2),
+          preset="test")
     printed = capsys.readouterr().out
     assert printed.count("warning: TensorBoard failed") == 1 and "No space left on device" in printed
     assert [r["step"] for r in read_metrics(out)] == [2, 4, 6]
@@ -86,8 +89,8 @@ def test_wandb_offline_writes_its_run_files_and_resumes_the_same_run(tmp_path):
     out = tmp_path / "run"
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
     for extra in ([], ["--resume", "--max_steps=4"]):
-        args = [sys.executable, "ddpm.py", *TINY_ARGS, "--loader=torch", "--max_steps=2", "--log_every_steps=1",
-                "--log_to=wandb", f"--out_dir={out}", *extra]
+        args = [sys.executable, "ddpm.py", *TINY_ARGS, "--loader=torch", "--max_steps=2",
+                "--log_every_steps=1", "--log_to=wandb", f"--out_dir={out}", *extra]
         p = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
         assert p.returncode == 0 and "warning" not in p.stdout, p.stdout + p.stderr  # the grid went too
     run_id = (out / "wandb-id").read_text().strip()
@@ -126,6 +129,6 @@ def test_long_commands_show_progress_on_a_terminal_only(run_dir, tmp_path, capsy
         real(self, *args, **kw)
 
     monkeypatch.setattr(tqdm.tqdm, "__init__", spy)
-    sample.main(["--ckpt", str(run_dir / "ema.pt"), "--n", "4", "--batch", "2", "--steps", "2", "--eval", "bpd",
-                 "--strata", "1", "--out", str(tmp_path / "b.png")])
+    sample.main(["--ckpt", str(run_dir / "ema.pt"), "--n", "4", "--batch", "2", "--steps", "2", "--eval",
+                 "bpd", "--strata", "1", "--out", str(tmp_path / "b.png")])
     assert ("bits/dim", None) in drawn

@@ -22,7 +22,8 @@ def test_short_run_learns_and_fills_the_run_folder(tmp_path):
         assert key in rows[-1]
     assert rows[-1]["img_per_s"] > 0 and 0 < rows[-1]["mfu"] < 2
     files = set(os.listdir(out))
-    assert {"config.json", "metrics.jsonl", "ckpt.pt", "ema.pt", "loss.png", "samples_0000020.png", "samples_0000040.png"} <= files
+    assert {"config.json", "metrics.jsonl", "ckpt.pt", "ema.pt", "loss.png", "samples_0000020.png",
+            "samples_0000040.png"} <= files
     cfg = json.load(open(out / "config.json"))
     assert cfg["model"]["base_channels"] == 16 and cfg["trainer"]["max_steps"] == 40
     assert cfg["environment"]["torch"] == torch.__version__ and "git_hash" in cfg["environment"]
@@ -34,7 +35,8 @@ def test_short_run_learns_and_fills_the_run_folder(tmp_path):
 def test_resume_is_bitwise_identical_to_a_straight_run(tmp_path):
     mc = tiny_model(dropout=0.1, num_classes=4)  # dropout and label dropout use the RNG too
     train(mc, tiny_trainer(tmp_path / "straight", max_steps=20, shapes_count=128), preset="test")
-    train(mc, tiny_trainer(tmp_path / "resumed", max_steps=10, shapes_count=128), preset="test")  # 8 batches an epoch: resumes mid-epoch
+    # 8 batches an epoch: resumes mid-epoch
+    train(mc, tiny_trainer(tmp_path / "resumed", max_steps=10, shapes_count=128), preset="test")
     train(mc, tiny_trainer(tmp_path / "resumed", max_steps=20, shapes_count=128, resume=True), preset="test")
     a = torch.load(tmp_path / "straight" / "ckpt.pt", weights_only=True)
     b = torch.load(tmp_path / "resumed" / "ckpt.pt", weights_only=True)
@@ -65,30 +67,37 @@ def test_channels_last_auto_is_nhwc_except_where_atens_group_norm_makes_it_slowe
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert resolve_channels_last("auto", cpu, "fp32") and resolve_channels_last("auto", cuda, "bf16")
-    assert not resolve_channels_last("auto", cpu, "bf16")  # ATen's NHWC GroupNorm is slow there (BENCHMARKS.md)
-    # eager on a GPU in bf16/fp16: NHWC activations copied to NCHW around every GroupNorm (H200, BENCHMARKS.md)
+    # ATen's NHWC GroupNorm is slow there (BENCHMARKS.md)
+    assert not resolve_channels_last("auto", cpu, "bf16")
+    # eager on a GPU in bf16/fp16: NHWC activations copied to NCHW around every GroupNorm (H200,
+    # BENCHMARKS.md)
     assert not resolve_channels_last("auto", cuda, "bf16", compiled=False)
     assert not resolve_channels_last("auto", cuda, "fp16", compiled=False)
-    assert resolve_channels_last("auto", cuda, "fp32", compiled=False) and resolve_channels_last("true", cuda, "bf16", False)
+    assert resolve_channels_last("auto", cuda, "fp32", compiled=False)
+    assert resolve_channels_last("true", cuda, "bf16", False)
     assert resolve_channels_last("true", cpu, "bf16") and not resolve_channels_last("false", cuda, "fp32")
 
 
 def test_bf16_training_on_the_cpu_learns(tmp_path):
-    """bf16 autocast on the CPU (what --precision=auto picks on AVX512-BF16/AMX CPUs; emulated, slower, elsewhere)."""
+    """bf16 autocast on the CPU (what --precision=auto picks on AVX512-BF16/AMX CPUs; emulated, slower,
+    elsewhere)."""
     out = tmp_path / "run"
     train(tiny_model(), tiny_trainer(out, max_steps=30, precision="bf16"), preset="test")
     rows = read_metrics(out)
     assert all(r["nonfinite_skipped"] == 0 for r in rows)
     assert rows[-1]["loss"] < 0.5 * rows[0]["loss"]
     resolved = json.load(open(out / "config.json"))["resolved"]
-    assert resolved["precision"] == "bf16" and resolved["channels_last"] is False  # auto: NCHW for bf16 on a CPU
+    # auto: NCHW for bf16 on a CPU
+    assert resolved["precision"] == "bf16" and resolved["channels_last"] is False
     model = torch.load(out / "ckpt.pt", weights_only=True)["model"]
-    assert all(v.dtype == torch.float32 for v in model.values())  # autocast computes in bf16, the weights stay fp32
+    # autocast computes in bf16, the weights stay fp32
+    assert all(v.dtype == torch.float32 for v in model.values())
 
 
 @pytest.mark.parametrize("ok", [None, 1.0, 0.0])
 def test_ema_update_is_the_lerp_and_skips_where_ok_is_zero(ok):
-    """θ_ema <- decay θ_ema + (1 - decay) θ; with ok (a device tensor, never read on the host) 0, no change."""
+    """θ_ema <- decay θ_ema + (1 - decay) θ; with ok (a device tensor, never read on the host) 0, no
+    change."""
     mc = tiny_model()
     model, ema = UNet(mc), UNet(mc).requires_grad_(False)
     before = [p.clone() for p in ema.parameters()]
@@ -101,8 +110,8 @@ def test_ema_update_is_the_lerp_and_skips_where_ok_is_zero(ok):
 
 @pytest.mark.parametrize("k", [2, 4])
 def test_gradient_accumulation_equals_one_big_batch(k):
-    """k micro-batches with the loss scaled by 1/k: the big batch's loss, per-sample losses and gradients (read
-    off an SGD step of lr 1, which moves every weight by its gradient)."""
+    """k micro-batches with the loss scaled by 1/k: the big batch's loss, per-sample losses and gradients
+    (read off an SGD step of lr 1, which moves every weight by its gradient)."""
     mc = tiny_model(num_classes=4, dropout=0.0)
     diffusion = ddpm.Diffusion(mc)
     x0, y = torch.rand(8, 3, 16, 16) * 2 - 1, torch.arange(8) % 4
@@ -125,8 +134,9 @@ def test_gradient_accumulation_equals_one_big_batch(k):
 
 
 def test_fp16_with_loss_scaling_trains_and_resumes_bitwise(tmp_path):
-    """fp16 autocast with a dynamic GradScaler (on the CPU here, where fp16 is slow: a short run): finite losses,
-    no skipped steps, the scaler's state in the checkpoint, and a resumed run bitwise the straight one."""
+    """fp16 autocast with a dynamic GradScaler (on the CPU here, where fp16 is slow: a short run): finite
+    losses, no skipped steps, the scaler's state in the checkpoint, and a resumed run bitwise the straight
+    one."""
     out, straight = tmp_path / "run", tmp_path / "straight"
     fp16 = dict(precision="fp16", batch_size=8, log_every_steps=2)
     train(tiny_model(), tiny_trainer(out, max_steps=4, **fp16), preset="test")
@@ -148,6 +158,7 @@ def test_fp16_overflow_is_one_skip_and_lowers_the_scale():
     before = [p.detach().clone() for p in model.parameters()]
     x0 = torch.rand(4, 3, 16, 16) * 2 - 1
     step = ddpm.train_step(model, diffusion, opt, x0, None, "fp16", 1.0, scaler=scaler)
-    assert step.ok.item() == 0 and torch.isfinite(step.loss)  # the loss was fine; the scaled gradients were not
+    # the loss was fine; the scaled gradients were not
+    assert step.ok.item() == 0 and torch.isfinite(step.loss)
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))  # skipped: nothing moved
     assert scaler.get_scale() == 2.0**99  # and the scaler backed off, once

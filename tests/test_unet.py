@@ -18,7 +18,8 @@ def randomise(model):
 @pytest.mark.parametrize("patch_size", [1, 2, 4])
 @pytest.mark.parametrize("num_classes", [0, 10])
 def test_output_shape_and_dtype(patch_size, num_classes):
-    mc = tiny_model(image_size=32, patch_size=patch_size, num_classes=num_classes, attn_resolutions=(32 // patch_size // 2,))
+    mc = tiny_model(image_size=32, patch_size=patch_size, num_classes=num_classes,
+                    attn_resolutions=(32 // patch_size // 2,))
     model = randomise(UNet(mc))
     x, t = torch.randn(3, 3, 32, 32), torch.tensor([0, 50, 99])
     y = torch.tensor([0, 9, 10]) if num_classes else None  # 10 = the null class
@@ -62,7 +63,8 @@ def test_initialisation_is_ho_et_als():
     assert len(tiny) == 1 + 22 + 6 and len(layers) == 101
     for layer in layers:
         assert layer.bias.abs().max() == 0
-        parts = layer.weight.detach().chunk(3 if layer in {m.qkv for m in model.modules() if isinstance(m, Attention)} else 1)
+        qkv = {m.qkv for m in model.modules() if isinstance(m, Attention)}
+        parts = layer.weight.detach().chunk(3 if layer in qkv else 1)
         for w in parts:
             receptive = w[0, 0].numel()
             fan_avg = (w.shape[0] + w.shape[1]) * receptive / 2
@@ -120,7 +122,8 @@ def test_paper_presets_build_and_train_a_step_at_reduced_width(preset):
     mc, tc, _ = parse_args(["--preset", preset])
     assert mc.prediction == "x" and mc.loss_weighting == "sqrt_snr" and mc.attn_head_dim == 64
     # the authors' loop and sampler (their image_train.py, train_util.py and image_sample.py)
-    assert mc.pos_emb and (tc.warmup_steps, tc.grad_clip, tc.ema_warmup, tc.ema_decay) == (0, 0, False, 0.9999)
+    assert mc.pos_emb and (tc.warmup_steps, tc.grad_clip, tc.ema_warmup, tc.ema_decay) == (0, 0, False,
+                                                                                           0.9999)
     assert (tc.sampler, tc.sample_steps) == ("ddpm", 250)
     assert tc.threshold == ("dynamic" if tc.guidance > 1 else "static")
     assert Diffusion(mc).betas[-1].item() == pytest.approx(0.025 if preset == "ffhq-p4" else 0.02)
@@ -175,7 +178,8 @@ def saved_bytes(model, x, t):
 def test_activation_checkpointing_same_gradients_less_memory():
     import torch._dynamo
 
-    mc = tiny_model(dropout=0.1, attn_resolutions=(16, 8))  # dropout: the recomputation must redraw the same masks
+    # dropout: the recomputation must redraw the same masks
+    mc = tiny_model(dropout=0.1, attn_resolutions=(16, 8))
     plain, ckpt = randomise(UNet(mc)), UNet(mc, activation_checkpointing=True)
     ckpt.load_state_dict(plain.state_dict())
     x, t = torch.randn(4, 3, 16, 16), torch.tensor([1, 30, 60, 99])

@@ -32,7 +32,8 @@ def png(path, value=0, size=8):
 
 def run_python(code):
     """`code` in a fresh interpreter at the repository root -> (returncode, stdout, stderr)."""
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=HANG_GUARD)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=HANG_GUARD)
     return out.returncode, out.stdout, out.stderr
 
 
@@ -58,12 +59,14 @@ def hostile(tmp_path):
     return root
 
 
-NOTE = "note: skipped 5 entries of {} that are not regular image files (2 FIFOs/devices/sockets, 3 broken or looping links)"
+NOTE = ("note: skipped 5 entries of {} that are not regular image files (2 FIFOs/devices/sockets, "
+        "3 broken or looping links)")
 
 
 def test_the_walk_lists_regular_files_only_and_opens_nothing(hostile):
     listing = data.image_files(str(hostile))
-    assert [f[0] for f in listing.files] == ["cats/a.png", "cats/outside.png", "dogs/b.png", "dogs/more/c.png"]
+    assert [f[0] for f in listing.files] == ["cats/a.png", "cats/outside.png", "dogs/b.png",
+                                             "dogs/more/c.png"]
     assert (listing.other, listing.special, listing.bad_links, listing.unreadable) == (1, 2, 3, 0)
     assert listing.note() == NOTE.format(hostile)
     # one walk behind every name: beton names and provenance do not trip over loops (they used to raise ELOOP)
@@ -88,7 +91,8 @@ def test_a_socket_is_skipped_like_a_fifo(tmp_path):
 def test_the_torch_loader_reads_a_folder_with_a_fifo_without_blocking(hostile):
     rc, out, err = run_python(
         "import data\n"
-        f"loader, k = data.make_loader('torch', 'folder', {str(hostile)!r}, 8, 2, 0, 'cpu', with_labels=True)\n"
+        f"loader, k = data.make_loader('torch', 'folder', {str(hostile)!r}, 8, 2, 0, 'cpu', "
+        "with_labels=True)\n"
         "x, y = loader.next()\n"
         "print('loaded', loader.n, k, sorted(loader.labels.tolist()))\n")
     assert rc == 0, err
@@ -102,7 +106,8 @@ def test_the_ffcv_loader_and_the_data_cli_read_a_folder_with_a_fifo_and_loops(ho
     betons = tmp_path / "betons"
     rc, out, err = run_python(
         "import data\n"
-        f"loader, k = data.make_loader('ffcv', 'folder', {str(hostile)!r}, 8, 2, 0, 'cpu', beton_dir={str(betons)!r})\n"
+        f"loader, k = data.make_loader('ffcv', 'folder', {str(hostile)!r}, 8, 2, 0, 'cpu', "
+        f"beton_dir={str(betons)!r})\n"
         "x, _ = loader.next()\n"
         "print('loaded', loader.n, k, tuple(x.shape))\n")
     assert rc == 0, err
@@ -111,7 +116,8 @@ def test_the_ffcv_loader_and_the_data_cli_read_a_folder_with_a_fifo_and_loops(ho
     assert meta["source"] == data.provenance("folder", str(hostile), 8)["source"]
     # the data CLI walks the same way
     rc, out, err = run_python("import data; data.main(['--dataset', 'folder', '--data_dir', "
-                              f"{str(hostile)!r}, '--image_size', '8', '--out', {str(tmp_path / 'x.beton')!r}])")
+                              f"{str(hostile)!r}, '--image_size', '8', '--out', "
+                              f"{str(tmp_path / 'x.beton')!r}])")
     assert rc == 0, err
     assert json.loads((tmp_path / "x.beton.json").read_text())["images"] == 4
 
@@ -145,7 +151,8 @@ def test_a_fifo_swapped_in_after_the_walk_is_never_waited_on(tmp_path):
 
 def test_provenance_names_the_data(tmp_path):
     train, test = data.provenance("shapes", "x", 16, 64), data.provenance("shapes", "x", 16, 64, train=False)
-    assert train == {"dataset": "shapes", "split": "train", "image_size": 16, "source": "shapes: 64 images, seed 0"}
+    assert train == {"dataset": "shapes", "split": "train", "image_size": 16,
+                     "source": "shapes: 64 images, seed 0"}
     assert test["split"] == "test" and test["source"] == "shapes: 64 images, seed 1"
     assert data.provenance("cifar10", str(tmp_path), 32)["source"] == f"cifar10 in {tmp_path}"
     with pytest.raises(UserError, match="unknown dataset 'mnist'"):
@@ -171,8 +178,9 @@ def test_the_test_splits_beton_copied_over_the_trains_is_refused(tmp_path, capsy
     shutil.copy(test_path + ".json", train_path + ".json")
     with pytest.raises(UserError, match=r"records split 'test' in its .json, not 'train' as asked"):
         data.beton_for("shapes", "", 16, str(betons), shapes_count=64)
-    err = one_line_error(capsys, ddpm.main, [*TINY_ARGS, "--shapes_count=64", "--batch_size=8", "--max_steps=1",
-                                             "--loader=ffcv", f"--beton_dir={betons}", f"--out_dir={tmp_path / 'run'}"])
+    err = one_line_error(capsys, ddpm.main, [*TINY_ARGS, "--shapes_count=64", "--batch_size=8",
+                                             "--max_steps=1", "--loader=ffcv", f"--beton_dir={betons}",
+                                             f"--out_dir={tmp_path / 'run'}"])
     assert "records split 'test'" in err and "delete it and its .json" in err
 
 
@@ -186,7 +194,8 @@ def test_another_folders_beton_under_this_folders_name_is_refused(tmp_path):
     path_b = os.path.join(betons, data.beton_name("folder", str(b), 8, 0, True))
     os.replace(path_a, path_b)
     os.replace(path_a + ".json", path_b + ".json")
-    with pytest.raises(UserError, match=r"records source 'folder .*/a: 1 images, files \w+' in its .json, not "):
+    with pytest.raises(UserError,
+                       match=r"records source 'folder .*/a: 1 images, files \w+' in its .json, not "):
         data.beton_for("folder", str(b), 8, betons)
 
 
@@ -228,7 +237,8 @@ def test_links_planted_at_the_beton_and_its_json_are_replaced_not_followed(tmp_p
     for p in (path, str(path) + ".json", out, str(out) + ".json"):
         assert not os.path.islink(p) and os.path.isfile(p), p
     assert json.load(open(str(out) + ".json"))["split"] == "train"
-    assert (victims / "beton").read_bytes() == b"victim beton" and (victims / "json").read_text() == "victim json"
+    assert (victims / "beton").read_bytes() == b"victim beton"
+    assert (victims / "json").read_text() == "victim json"
     assert sorted(os.listdir(betons)) == sorted([path.name, path.name + ".json"])  # no temporary file
 
 
@@ -299,7 +309,8 @@ def test_a_read_only_beton_dir_is_one_line(tmp_path, monkeypatch, capsys):
     else:
         betons.chmod(0o500)
     try:
-        err = one_line_error(capsys, data.main, ["--dataset", "shapes", "--shapes_count", "40", "--image_size", "8",
+        err = one_line_error(capsys, data.main, ["--dataset", "shapes", "--shapes_count", "40",
+                                                 "--image_size", "8",
                                                  "--out", str(betons / "x.beton")], code=1)
         with pytest.raises(UserError, match="Permission denied.*nothing was written"):
             data.beton_for("shapes", "", 8, str(betons), shapes_count=40)
@@ -325,7 +336,8 @@ def test_a_failed_rewrite_keeps_nothing_half_made(tmp_path, monkeypatch):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(ffcv.writer.DatasetWriter, "from_indexed_dataset", full)
-    with pytest.raises(UserError, match=f"could not write {path} .No space left on device.; nothing was written"):
+    with pytest.raises(UserError,
+                       match=f"could not write {path} .No space left on device.; nothing was written"):
         data.beton_for("shapes", "", 8, betons, shapes_count=40)
     assert no_temporary_files(betons) and not os.path.exists(path + ".json")
     monkeypatch.undo()
