@@ -138,6 +138,7 @@ def write_verified_beton(images, labels, num_classes, path, origin=None):
     meta["blake2b"] = write_beton(images, labels, path)
     try:
         meta["bytes"] = os.path.getsize(path)
+        meta["claims_blake2b"] = claims_digest(meta)
         with files.created(meta_path, "w", kept=f"{path} was removed: nothing was written") as f:
             json.dump(meta, f)
     except OSError as e:
@@ -147,6 +148,13 @@ def write_verified_beton(images, labels, num_classes, path, origin=None):
         remove_quietly(path)
         raise
     return meta
+
+
+def claims_digest(meta):
+    """BLAKE2b of everything the .json claims (the class count, the images, the provenance, the beton's own
+    checksum): a claim edited after writing no longer matches it."""
+    claims = {k: v for k, v in meta.items() if k != "claims_blake2b"}
+    return hashlib.blake2b(json.dumps(claims, sort_keys=True).encode(), digest_size=16).hexdigest()
 
 
 def remove_quietly(path):
@@ -168,8 +176,8 @@ def read_meta(path):
         meta = json.loads(text)
         if not isinstance(meta, dict):
             raise ValueError("not a JSON object")
-        if "blake2b" in meta and not (isinstance(meta.get("num_classes"), int)
-                                      and isinstance(meta.get("bytes"), int)):
+        counts = (meta.get("num_classes"), meta.get("bytes"))
+        if "blake2b" in meta and not all(type(c) is int for c in counts):  # a bool is not a number
             raise ValueError("no num_classes or bytes")
     except (OSError, ValueError, RecursionError) as e:  # RecursionError: JSON nested thousands deep
         raise UserError(f"cannot read {path}.json ({type(e).__name__}); "
@@ -177,7 +185,7 @@ def read_meta(path):
     if "blake2b" not in meta:
         print(f"note: {path} has no checksum recorded (an older cache); rewriting it")
         return None
-    if not all(k in meta for k in PROVENANCE):
+    if not all(k in meta for k in PROVENANCE) or "claims_blake2b" not in meta:
         print(f"note: {path} does not record the data it was written from (an older cache); rewriting it")
         return None
     return meta
@@ -193,6 +201,8 @@ def verify_beton(path, meta, image_size, origin=None):
                    if field == "image_size"
                    else f"records {field} {meta.get(field)!r} in its .json, not {asked[field]!r} as asked"
                    if field
+                   else "has a .json whose claims were changed after it was written (num_classes, ...)"
+                   if claims_digest(meta) != meta["claims_blake2b"]
                    else f"is {os.path.getsize(path)} bytes, not the {meta['bytes']} written"
                    if os.path.getsize(path) != meta.get("bytes")
                    else "does not match the checksum recorded when it was written"

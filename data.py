@@ -44,6 +44,7 @@ SHAPE_CLASSES = ("circle", "square", "triangle", "diamond")  # label order of th
 
 # images in the built-in 'shapes' dataset, unless told otherwise (TrainerConfig.shapes_count)
 SHAPES_COUNT = 50_000
+MAX_DECODE_PIXELS = 8192**2  # an image file larger than this is skipped as unreadable, never decoded
 BETON_DIR = "data/betons"  # where betons are cached, unless told otherwise (TrainerConfig.beton_dir)
 
 
@@ -197,6 +198,8 @@ def image_folder(root, image_size, listing=None):
     for (rel, _, _), p in zip(listing.files, parts):
         try:
             with files.open_regular(os.path.join(root, rel)) as f, Image.open(f) as im:
+                if im.width * im.height > MAX_DECODE_PIXELS:  # read from the header, before any decoding
+                    raise ValueError(f"{im.width}x{im.height} pixels")
                 arr = to_rgb8(im)
             images.append(resize_center_crop(torch.from_numpy(arr).permute(2, 0, 1)[None], image_size))
         except Exception:  # not an image, truncated, unreadable, no longer a regular file, too large
@@ -352,6 +355,8 @@ def beton_for(dataset, data_dir, image_size, beton_dir, shapes_count=SHAPES_COUN
     """-> (path of a finished .beton, num_classes), writing it first if it is not cached yet. The beton used
     is the one its .json describes (verify_beton), and that .json records the data asked for."""
     listing = image_files(data_dir) if spec(dataset).reads == "folder" else None  # the one walk
+    if os.path.normpath(beton_dir) == os.path.normpath(BETON_DIR):  # the default cache is this program's
+        files.own_folder(beton_dir)  # own folder, never a planted link; one the user names may be a link
     origin = provenance(dataset, data_dir, image_size, shapes_count, train, listing)
     path = os.path.join(beton_dir, beton_file(origin, shapes_count))
     meta = beton.read_meta(path)

@@ -156,9 +156,16 @@ def locate(path):
         raise ValueError(f"{path} is neither a run's checkpoint nor a diffusers model folder "
                          "(no config.json)")
     candidates = [os.path.join(model_dir, SCHEDULER), os.path.join(path, "scheduler", SCHEDULER)]
+    pipeline = path if model_dir != path else None
     if os.path.basename(os.path.normpath(model_dir)) == "unet":  # the unet/ folder of a pipeline
-        candidates.append(os.path.join(model_dir, os.pardir, "scheduler", SCHEDULER))
-    return model_dir, next((c for c in candidates if os.path.lexists(c)), None)  # a broken link: an error
+        pipeline = os.path.join(model_dir, os.pardir)
+        candidates.append(os.path.join(pipeline, "scheduler", SCHEDULER))
+    found = next((c for c in candidates if os.path.lexists(c)), None)  # a broken link: an error
+    index = os.path.join(pipeline or path, "model_index.json")
+    if found is None and os.path.lexists(index) and "scheduler" in read_json(index, "model_index.json"):
+        raise ValueError(f"the pipeline's model_index.json names a scheduler and scheduler/{SCHEDULER} is "
+                         "missing: a pipeline is its network and its noise schedule; restore it")
+    return model_dir, found
 
 
 def read_json(path, name=None):

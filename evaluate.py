@@ -263,6 +263,7 @@ def held_out_result(diffusion, model, mc, dataset, data_dir, shapes_count, n, se
 # one against another.
 
 SMALL_N = 50_000  # FID is biased upward below this many samples (and published figures use it)
+MAX_SIDE = 8192  # pixels: the largest images an .npz may hold (ModelConfig.image_size's bound)
 
 
 def dataset_splits():
@@ -293,11 +294,12 @@ class NpzImages:
                 if self.key is None:
                     raise UserError(f"{path} holds no images: no arr_0 (nor images) array in {names[:5]}")
                 with zf.open(self.key) as a:
-                    self.shape, self.offset = self.header(a)
+                    self.shape, self.offset = self.header(a, zf.getinfo(self.key).file_size)
         except (OSError, zipfile.BadZipFile, ValueError, EOFError) as e:
             raise UserError(f"{path} is not a readable .npz ({type(e).__name__}: {first_line(e)})") from None
 
-    def header(self, a):
+    def header(self, a, size):
+        """The array's shape and where its bytes start, checked against the bytes the zip entry holds."""
         version = np.lib.format.read_magic(a)
         fmt = np.lib.format
         read = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
@@ -305,6 +307,12 @@ class NpzImages:
         if dtype != np.uint8 or fortran or len(shape) != 4 or shape[3] != 3 or shape[1] < 1 or shape[2] < 1:
             raise UserError(f"{self.path}: {self.key[:-4]} is {dtype} {shape}{' Fortran-ordered' * fortran}; "
                             "images are uint8 (N, H, W, 3) in C order")
+        if shape[0] == 0 or max(shape[1:3]) > MAX_SIDE:
+            raise UserError(f"{self.path}: {self.key[:-4]} is {shape}: " + (
+                "no images" if shape[0] == 0 else f"images of at most {MAX_SIDE} pixels a side are scored"))
+        if size - a.tell() != int(np.prod(shape)):  # a header claiming more (or fewer) images than there are
+            raise UserError(f"{self.path}: {self.key[:-4]} announces {shape}, {int(np.prod(shape))} bytes, "
+                            f"and holds {size - a.tell()}")
         return tuple(shape), a.tell()
 
     def __len__(self):
@@ -313,6 +321,7 @@ class NpzImages:
     def batches(self, batch):
         """-> uint8 (B, 3, H, W) tensors in order."""
         per = int(np.prod(self.shape[1:]))
+        batch = max(1, min(batch, 2**30 // per))  # at most 1 GiB of images in memory, whatever --batch
         try:
             with files.open_regular(self.path) as f, zipfile.ZipFile(f) as zf, zf.open(self.key) as a:
                 a.read(self.offset)
@@ -340,7 +349,18 @@ def operand(spec):
     if os.path.isdir(spec):
         return ("folder", spec)
     raise UserError(f"--fid {spec}: neither an .npz file, an image folder (or folder:PATH), nor "
-                    f"DATASET:SPLIT, one of {', '.join(f'{n}:{s}' for n, ss in dataset_splits().items() for s in ss)}")
+                    "DATASET:SPLIT, one of "
+                    + ", ".join(f"{n}:{s}" for n, ss in dataset_splits().items() for s in ss))
+
+
+def check_operand(op):
+    """Before any Inception work, what can be checked cheaply: an .npz's header, a folder's listing."""
+    import data
+
+    if op[0] == "npz":
+        NpzImages(op[1])
+    elif op[0] == "folder" and not data.image_files(op[1]).files:
+        raise UserError(f"--fid {op[1]}: the folder holds no images ({', '.join(data.IMAGE_EXTENSIONS)})")
 
 
 def describe(op):
@@ -394,7 +414,7 @@ def parse_args(argv):
                         "resolution, else 32 for CIFAR-10")
     p.add_argument("--data_dir", default="data", help="where cifar10 is (or is downloaded to)")
     p.add_argument("--shapes_count", type=int, default=50_000, help="images in the shapes dataset")
-    p.add_argument("--stats_dir", default="data/fid_stats",
+    p.add_argument("--stats_dir", default=fid.STATS_DIR,
                    help="where a dataset split's reference statistics are cached")
     p.add_argument("--inception_weights", default="",
                    help=f"a local copy of torch-fidelity's Inception weights (also ${fid.WEIGHTS_ENV}); "
@@ -437,6 +457,8 @@ def main(argv=None):
     with reported():
         args = parse_args(argv)
         a, b = operand(args.fid[0]), operand(args.fid[1])
+        for op in (a, b):  # both sides, before either one's features
+            check_operand(op)
         image_size = default_image_size(a, b, args)
         device = group.resolve_device(args.device)
         extractor = fid.inception(device, args.inception_weights)

@@ -16,6 +16,7 @@ import files
 import group
 from errors import UserError, first_line
 
+STATS_DIR = "data/fid_stats"  # the default cache of reference statistics (a folder of its own)
 REFERENCE_KEEP = 10_000  # reference features kept for precision/recall (k-NN balls are O(n^2) in memory)
 
 
@@ -36,7 +37,7 @@ def inception(device, weights=None):
     if weights:
         path = weights
         if not files.is_regular(os.path.realpath(path)):
-            raise UserError(f"{what} {path}: no such file")
+            raise UserError(f"{what} {path}: {files.kind(path)}, not a weights file")
         wrong = f"{what} {path} is not the Inception weights file ({URL_INCEPTION_V3})"
     else:
         path = os.path.join(torch.hub.get_dir(), "checkpoints", os.path.basename(URL_INCEPTION_V3))
@@ -140,6 +141,15 @@ def frechet_distance(mu1, sigma1, mu2, sigma2):
         "frechet_inception_distance"]
 
 
+def own_or_named(folder, default):
+    """The default folder is this program's (files.own_folder: never a planted link); one the user named
+    may be anything, links included (runs on another disk)."""
+    if os.path.normpath(folder) == os.path.normpath(default):
+        return files.own_folder(folder)
+    os.makedirs(folder, exist_ok=True)
+    return folder
+
+
 def reference_path(extractor, dataset, data_dir, image_size, shapes_count, cache_dir, train=True):
     """Where a split's statistics are cached: the name changes with the data (as a beton's does) and with
     the network (its name, and its weights' hash where it has one)."""
@@ -187,7 +197,7 @@ def reference_stats(extractor, dataset, data_dir, image_size, shapes_count, devi
     kept = f[: REFERENCE_KEEP // world].float().numpy()  # this rank's share; rank 0's is what the cache keeps
     ref = {"mu": mu, "sigma": sigma, "features": kept, "n": np.array(len(images))}
     if rank == 0:
-        os.makedirs(cache_dir, exist_ok=True)
+        own_or_named(cache_dir, STATS_DIR)
         with files.created(path, kept="nothing is cached; the statistics are computed again next time") as f:
             np.savez(f, **ref)
     return ref

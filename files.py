@@ -130,6 +130,20 @@ def open_regular(path, mode="rb"):
         raise
 
 
+def kind(path):
+    """What is at path, in words, for an error line: 'no such file', 'a FIFO', 'a folder', ..."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return "no such file"
+    kinds = ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"),
+             (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device"))
+    for test, name in kinds:
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
 def own_folder(path):
     """A folder this program names itself (a shard folder, a cache, a tracker's): made here, or where it is
     already, a real directory of this user's; a link (even to a folder), a file or another user's folder

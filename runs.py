@@ -139,6 +139,7 @@ def prepare_run_folder(out_dir, preset, resume, world):
     holds a checkpoint is continued only with --resume, and --resume needs one."""
     if world > 1 and not out_dir:
         raise UserError("under torchrun, give --out_dir (every rank must name the same run folder)")
+    named = bool(out_dir)  # the user's folder may be a link (runs on another disk); a derived one never
     out_dir = out_dir or os.path.join("runs", f"{preset}-{time.strftime('%Y%m%d-%H%M%S')}")
     ckpt_path = os.path.join(out_dir, "ckpt.pt")
     # a link planted at either name is no checkpoint of this folder: it is replaced when one is written
@@ -149,7 +150,7 @@ def prepare_run_folder(out_dir, preset, resume, world):
         raise UserError(f"{out_dir} already holds a checkpoint: pass --resume to continue it, "
                         "or choose another --out_dir")
     try:
-        os.makedirs(out_dir, exist_ok=True)
+        os.makedirs(out_dir, exist_ok=True) if named else files.own_folder(out_dir)  # runs/<preset>-<time>
     except OSError as e:  # a path through a file, a read-only place
         raise UserError(f"--out_dir={out_dir}: cannot make it ({e.strerror or e})") from None
     metrics = os.path.join(out_dir, "metrics.jsonl")
@@ -503,6 +504,7 @@ def start_wandb(out_dir, config):
         run_id = os.urandom(8).hex()
         with files.created(id_path, "w") as f:
             f.write(run_id + "\n")
+    files.own_folder(os.path.join(out_dir, "wandb"))  # where wandb writes: made here, never a planted link
     return wandb.init(project=os.environ.get("WANDB_PROJECT", "ddpm"), name=os.path.basename(
         os.path.abspath(out_dir)), id=run_id, resume="allow", dir=out_dir, config=flat_config(config))
 
