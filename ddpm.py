@@ -36,8 +36,10 @@ import cli
 import data
 import diffusers_io
 import evaluate
+import fid
 import group
 import mfu
+import phema
 import runs
 import unet
 from data import make_loader
@@ -106,7 +108,7 @@ class TrainerConfig:  # the run
     loader: Literal["ffcv", "torch", "resident"] = "ffcv"  # FFCV from a cached .beton; gathers from uint8
                                                         # tensors in host memory; or on the device
     beton_dir: str = data.BETON_DIR                     # where .beton files are written once and reused
-    fid_stats_dir: str = "data/fid_stats"               # where the training set's FID reference statistics
+    fid_stats_dir: str = fid.STATS_DIR                  # where the training set's FID reference statistics
                                                         # are cached
     num_workers: int = ranged(2, 1, 257)                # FFCV loader threads
     batch_size: int = ranged(128, 1, 2**20)             # global batch size, images per optimizer step
@@ -127,6 +129,10 @@ class TrainerConfig:  # the run
                                                         # of the model
     ema_warmup: bool = True                             # ramp the EMA decay as min(ema_decay,
                                                         # (1+step)/(10+step))
+    ema_sigma_rels: tuple[float, ...] = (0.05, 0.10)    # post-hoc EMA (phema.py): the relative widths of
+                                                        # the power-function EMAs tracked, each in (0, 0.28)
+    ema_snapshot_kimg: int = ranged(5000, 0, 10**7)     # thousand images between their snapshots in
+                                                        # <run>/phema (and one at the end); 0 = off
     hflip: bool = True                                  # random horizontal flips
     precision: Literal["auto", "bf16", "fp16", "tf32", "fp32"] = "auto"  # bf16 / fp16 (+ loss scaling)
                                                         # autocast, fp32 with TF32, true fp32; auto = bf16
@@ -282,6 +288,9 @@ def validate(mc, tc=None):
     check(tc.eval_fid_samples != 1, "eval_fid_samples must be 0 or >= 2 (a covariance needs two samples)")
     check(not tc.eta or any(SAMPLERS[s].eta is not None for s in (tc.sampler, tc.eval_sampler)),
           f"eta {tc.eta}: neither sampler ({tc.sampler}, eval_sampler {tc.eval_sampler}) takes an eta")
+    check(not tc.ema_snapshot_kimg or 1 <= len(tc.ema_sigma_rels) <= 8 and all(
+        0 < s < phema.SIGMA_REL_MAX for s in tc.ema_sigma_rels),
+        f"ema_sigma_rels needs 1 to 8 widths, each in (0, {phema.SIGMA_REL_MAX:.4f})")
     check(tc.batch_size % tc.grad_accum_steps == 0,
           f"batch_size {tc.batch_size} does not divide into grad_accum_steps={tc.grad_accum_steps} "
           "micro-batches")
@@ -686,6 +695,7 @@ class Built:
     forward: typing.Callable     # what the step calls: the model, DDP-wrapped under torchrun, compiled
     precision: str               # tc.precision resolved for the device: bf16, fp16, tf32 or fp32
     channels_last: bool          # tc.channels_last resolved: NHWC weights and batches
+    phema: typing.Any = None     # the post-hoc EMA's tracked averages (phema.Tracked); None when off
 
 
 def build(mc, tc, device, world=1):
@@ -715,7 +725,9 @@ def build(mc, tc, device, world=1):
         forward = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     if compiled:
         forward = torch.compile(forward, mode=None if tc.compile_mode == "default" else tc.compile_mode)
-    return Built(model, ema, Diffusion(mc).to(device), opt, scaler, forward, precision, channels_last)
+    tracked = phema.Tracked(model, tc.ema_sigma_rels) if tc.ema_snapshot_kimg else None
+    return Built(model, ema, Diffusion(mc).to(device), opt, scaler, forward, precision, channels_last,
+                 tracked)
 
 
 class Step(typing.NamedTuple):  # what a training step leaves, on the device: read it without a sync
@@ -813,6 +825,8 @@ def iteration(b, x0, y, tc, step, shard=(0, 1)):
     out = train_step(b.forward, b.diffusion, b.opt, x0, y, b.precision, tc.grad_clip, shard, b.channels_last,
                      tc.grad_accum_steps, b.scaler)
     ema_update(b.ema, b.model, ema_decay_at(step, tc) if tc.ema_decay > 0 else 0.0, out.ok)
+    if b.phema:  # the power-function EMAs: step t = step + 1 (the first copies the weights)
+        b.phema.update(b.model, step + 1, out.ok)
     return out
 
 
@@ -913,6 +927,8 @@ def set_up(mc, tc, preset):
         step = checkpoints.restore(ckpt, path, mc, b.model, b.ema, b.opt, loader, world, b.scaler,
                             data_settings(mc, tc), tc.resume_new_data)
         skipped = ckpt.get("nonfinite_skipped", 0)
+        if b.phema:
+            b.phema.load_state_dict(ckpt.get("phema"), path)
         say(f"resumed {out_dir} from {os.path.basename(path)} at step {step}")
     # built now: missing Inception weights or data fail before training, not hours in
     evaluator = (evaluate.TrainingEval(mc, tc, b.diffusion, functools.partial(sample, b.diffusion), device)
@@ -941,6 +957,11 @@ def record(run, mc, tc, preset):
           f"{'NHWC' if b.channels_last else 'NCHW'}, "
           f"{run.flops_per_step / tc.batch_size / 1e9:.3g} GFLOP/image fwd+bwd counted, "
           f"MFU against {run.peak / 1e12:.3g} TFLOP/s per device ({run.peak_source})")
+    if b.phema:
+        count = tc.max_steps * tc.batch_size // (tc.ema_snapshot_kimg * 1000) + 1
+        print(f"post-hoc EMA: widths {', '.join(map(str, tc.ema_sigma_rels))} snapshotted every "
+              f"{tc.ema_snapshot_kimg} kimg and at the end: {count} snapshots, about "
+              f"{count * b.phema.size_bytes() / 2**30:.2f} GiB in {os.path.join(run.out_dir, phema.FOLDER)}")
 
 
 def log_interval(run, tc, step, tally, grad_norm, step_times_ms, t_start):
@@ -1011,6 +1032,7 @@ def train(mc, tc, preset="custom"):
                                          loader=run.loader.state_dict(),
                                          scaler=b.scaler.state_dict() if b.scaler else None,
                                          world_size=run.world,
+                                         phema=b.phema.state_dict() if b.phema else None,
                                          nonfinite_skipped=run.skipped + int(tally.skipped.item()))
 
     lock = runs.lock_run_folder(run.out_dir) if lead else None  # one run per folder: a second is refused
@@ -1030,6 +1052,9 @@ def train(mc, tc, preset="custom"):
 
             # 1. checkpoint, sample grid, evaluation (off the clock; the checkpoint first, so that a failure
             #    in sampling or evaluation never costs it)
+            if lead and b.phema and step > start_step and (
+                    last_step or b.phema.snapshot_due(step, tc.batch_size, tc.ema_snapshot_kimg)):
+                b.phema.snapshot(run.out_dir, b.model, step, step * tc.batch_size)
             if step > start_step and (last_step or due(tc.ckpt_every_steps, step)):
                 save_checkpoint(step)
             if step > start_step and tc.num_samples and (last_step or due(tc.sample_every_steps, step)):

@@ -1,38 +1,30 @@
 """Generate images from a trained run: a PNG grid and an .npz of uint8 samples, from the EMA weights.
 
     python sample.py --ckpt runs/demo-.../ema.pt --n 64 --sampler dpm++ --steps 20 --guidance 2 --out grid.png
-    python sample.py --ckpt runs/x/ckpt.pt --n 10000 --batch 500 --out samples.png   # writes samples.npz too
     # + FID, IS, precision/recall; on 8 GPUs; resumable: the same command continues after an interruption
     torchrun --nproc_per_node=8 sample.py --ckpt runs/x/ema.pt --eval fid --num_images 50000 --out fid/s.png
     python sample.py --ckpt runs/x/ema.pt --n 50000 --png_dir fid/png --out fid/samples.png  # + one PNG each
     python sample.py --ckpt runs/x/ema.pt --eval bpd --n 10000 --out bpd/test.png   # bits/dim, test split
     python sample.py --ckpt ddpm-cifar10-32 --eval fid --n 50000 --out fid/ho.png   # diffusers' Ho weights
+    python sample.py --ckpt runs/x --ema_length 0.05,0.08 --eval fid --out ema/s.png  # post-hoc EMA sweep
     python sample.py --ckpt runs/x/ema.pt --export_diffusers hub/x                  # a folder diffusers loads
 
---ckpt takes a run's ckpt.pt or ema.pt (the EMA weights and the model config, loaded with weights_only=True)
-or a diffusers model or pipeline folder (diffusers_io.py). Class-conditional models cycle through the
-classes (image i has label i % classes) unless --label fixes one. The sampler, its steps, eta, the guidance
-and the thresholding default to the run's own grid settings; a --sampler other than the run's brings its
-own default steps and eta (ddpm.SAMPLERS, --help lists them). The network runs under bf16 autocast where the
-hardware has it, as --precision=auto does in training.
+--ckpt: a run's ckpt.pt or ema.pt (weights_only=True) or a diffusers model or pipeline folder (diffusers_io).
+Conditional models cycle through the classes (image i: label i % classes) unless --label fixes one. The
+sampler, steps, eta, guidance and thresholding default to the run's grid settings; another --sampler brings
+its own steps and eta (ddpm.SAMPLERS). The network runs under bf16 autocast where the hardware has it.
 
 Seeds: image i of a --seed s run draws all its noise from its own CPU generator, seeded from (s, i)
-(sampling.image_seed), so it does not depend on the other images, on how many processes draw them, or on
-interruptions; --batch and --compile change it only by the network's float rounding.
+(sampling.image_seed): independent of the other images, the number of processes and interruptions; --batch
+and --compile change it only by float rounding. --batch 0 fills the device; --compile captures each sampler
+step whole, as CUDA graphs on a GPU.
 
-Speed: --batch 0 fills the device; --compile captures each sampler step whole, as CUDA graphs on a GPU.
-
-The images are drawn in shards of --shard_size, each written when done to <out>.shards/ (shards.py); the
-same command after a crash, Ctrl-C, SIGTERM or preemption continues from them, and a folder of other
-settings is refused in one line. Under torchrun every rank draws its share of the missing shards, then of
-the Inception features and PNGs; rank 0 writes the .npz by streaming the shards, scores it once, and removes
-the shards (--keep_shards keeps them).
-
-Outputs: the grid (first 256 images) at --out; <out>.npz with arr_0 = uint8 images (N, H, W, 3) and arr_1 =
-int64 labels, the layout of guided-diffusion's evaluator; with --png_dir, NNNNNN.png per image; <out>.json
-with the settings, the protocol and the speed. --eval fid scores the images against the run's training set
-(evaluate.py, statistics cached in --stats_dir; --inception_weights or $DDPM_INCEPTION_WEIGHTS: a local
-weights file). Bad input is one `error:` line and exit status 2, before any sampling where it can be known.
+The images are drawn in shards of --shard_size into <out>.shards/ (shards.py); the same command continues
+from them after a crash or SIGTERM. Under torchrun every rank draws its share; rank 0 writes the .npz (arr_0
+uint8 (N, H, W, 3), arr_1 labels: guided-diffusion's evaluator's layout), the grid (256 images), the PNGs
+(--png_dir) and <out>.json (settings, protocol, speed), scores the images once (--eval fid: against the run's
+training set, statistics cached in --stats_dir) and removes the shards (unless --keep_shards). Bad input is
+one `error:` line and exit status 2, before any sampling where it can be known.
 """
 import argparse
 import dataclasses
@@ -51,6 +43,7 @@ import evaluate
 import fid
 import files
 import group
+import phema
 import runs
 import sampling
 import shards
@@ -72,7 +65,12 @@ def main(argv=None):
         rank, world, device = group.join(args.device)
         try:
             with group.sigterm_interrupts():
-                return command(args, rank, world, device)
+                if len(args.ema_length) < 2:
+                    return command(args, rank, world, device)
+                one = [{**vars(args), "ema_length": [s], "out": phema.sweep_out(args.out, s)}
+                       for s in args.ema_length]
+                results = [command(argparse.Namespace(**kw), rank, world, device) for kw in one]
+                return phema.write_sweep(args.out, results) if rank == 0 else None
         except KeyboardInterrupt:
             raise UserError(f"stopped by a signal; the finished shards are kept in "
                             f"{shards.folder_of(args.out)}: the same command continues from them",
@@ -96,7 +94,7 @@ def command(args, rank, world, device):
     reference = (evaluate.sample_reference(*run_data(args, run), mc.image_size,
                                            run_default(run, "shapes_count"), device, args.inception_weights,
                                            args.stats_dir) if args.eval == "fid" else None)
-    checkpoints = sampling.checkpoint_records(model, args.ckpt, args.ckpt_high)
+    checkpoints = sampling.checkpoint_records(model, args.ckpt, args.ckpt_high, args.post_hoc_ema)
     plan = plan_shards(args, mc, checkpoints, rank, world)
     if reference is not None and rank == 0 and evaluate.small_n_warning(args.n):
         print(evaluate.small_n_warning(args.n), flush=True)
@@ -159,10 +157,13 @@ def parse_args(argv):
     p.add_argument("--inception_weights", default="",
                    help="fid: a local copy of torch-fidelity's Inception weights file (also "
                         "$DDPM_INCEPTION_WEIGHTS); default: torch.hub's cache, downloaded once")
+    p.add_argument("--ema_length", type=phema.widths, default="",
+                   help="post-hoc EMA: sample the EMA of this relative width, rebuilt from the snapshots of "
+                        "--ckpt's run folder; several (comma-separated): one output each, <out>-ema<width>")
     p.add_argument("--export_diffusers", metavar="DIR", default="",
                    help="write the EMA model as a diffusers folder (UNet2DModel + DDPMScheduler config) "
                         "and exit")
-    return p.parse_args(argv)
+    return p.parse_args(argv, argparse.Namespace(post_hoc_ema=None))
 
 
 def sampler_help():
@@ -174,7 +175,11 @@ def sampler_help():
 def load_models(args, device):
     """-> (the EMA network, its ModelConfig, its run's TrainerConfig fields or {}); with --ckpt_high, the
     two experts of a split model as one network, each used for its own timesteps."""
+    if args.ema_length and os.path.isdir(args.ckpt):  # a run folder: its ema.pt for the config
+        args.ckpt = os.path.join(args.ckpt, "ema.pt")
     model, mc, run = ddpm.load_ema(args.ckpt, device)
+    if args.ema_length:  # one width here (a sweep calls command once per width)
+        args.post_hoc_ema = phema.load_rebuilt(model, os.path.dirname(args.ckpt), args.ema_length[0])
     if not args.ckpt_high:
         if ddpm.split_timestep(mc):
             raise UserError(f"{args.ckpt} is one expert of a split model: give the other with --ckpt_high")
@@ -343,7 +348,8 @@ def finish(args, plan, record, reference, device):
     if plan.rank != 0:
         return None
     write_outputs(args, plan, record)
-    result = evaluate_fid(args, plan, record, reference, local) if reference is not None else record
+    result = (evaluate.score_samples(*shards.all_features(plan, local), reference, record)
+              if reference is not None else record)
     path = write_json(result, args.out)
     if reference is not None:
         extra = "".join(f", {k} {result[k]:.4f}" for k in ("inception_score", "precision", "recall")
@@ -422,15 +428,6 @@ def write_json(result, out):
     with files.created(path, "w") as f:
         json.dump(result, f, indent=2)
     return path
-
-
-def evaluate_fid(args, plan, record, reference, local):
-    """The scores of the images: their features, shard by shard in index order, from this process or the
-    files the other ranks wrote."""
-    parts = [local[k] if k in local else map(torch.from_numpy, shards.load_features(plan, k))
-             for k in range(len(plan.ranges))]
-    feats, logits = (torch.cat(p) for p in zip(*parts))
-    return evaluate.score_samples(feats, logits, reference, record)
 
 
 def evaluate_bpd(args, model, mc, run, diffusion, device):

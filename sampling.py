@@ -140,10 +140,10 @@ def weights_sha256(model):
     return h.hexdigest()
 
 
-def checkpoint_records(model, ckpt, ckpt_high=""):
+def checkpoint_records(model, ckpt, ckpt_high="", post_hoc_ema=None):
     """What sample.py's result records of each checkpoint (ckpt_high: a split model's second): its path, the
-    weights (EMA, or a diffusers folder's as published), their hash and the training step it was saved at
-    (None where unknown)."""
+    weights (EMA, a post-hoc EMA rebuilt from the snapshots, or a diffusers folder's as published), their
+    hash and the training step it was saved at (None where unknown)."""
     nets = [(ckpt, model.low if ckpt_high else model)] + ([(ckpt_high, model.high)] if ckpt_high else [])
     out = []
     for path, net in nets:
@@ -153,6 +153,8 @@ def checkpoint_records(model, ckpt, ckpt_high=""):
                 step = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("step")
         out.append({"path": os.path.abspath(path), "step": step, "sha256": weights_sha256(net),
                     "weights": "diffusers folder (as published)" if diffusers_io.is_folder(path) else "EMA"})
+    if post_hoc_ema:
+        out[0].update(weights="post-hoc EMA (phema.py)", post_hoc_ema=post_hoc_ema)
     return out
 
 

@@ -232,6 +232,13 @@ def load_features(plan, k):
                         "file system? run the same command again") from None
 
 
+def all_features(plan, local):
+    """All shards' Inception features and logits in index order: this process's (`local`) or other ranks'."""
+    parts = [local[k] if k in local else map(torch.from_numpy, load_features(plan, k))
+             for k in range(len(plan.ranges))]
+    return (torch.cat(p) for p in zip(*parts))
+
+
 def remove(plan):
     """The shard folder, once the outputs are written: only the files this program names are removed, only
     from a real folder (never through a link), and the folder only if nothing else is left in it."""

@@ -139,8 +139,8 @@ def test_an_interrupted_run_continues_to_the_same_npz(run_dir, tmp_path, capsys,
     err = one_line_error(capsys, sample.main, argv, code=1)
     assert "stopped by a signal" in err and "cut.shards" in err
     monkeypatch.setattr(shards, "save", real)
-    assert sorted(os.listdir(tmp_path / "cut.shards")) == [".manifest.lock", "manifest.json", "shard-000000.npz",
-                                                           "shard-000001.npz"]
+    assert sorted(os.listdir(tmp_path / "cut.shards")) == [".manifest.lock", "manifest.json",
+                                                           "shard-000000.npz", "shard-000001.npz"]
     assert not (tmp_path / "cut.npz").exists()
     resumed = sample.main(argv)
     assert (resumed["resumed"], resumed["drawn"], resumed["nfe_per_image"]) == (4, 6, 10)

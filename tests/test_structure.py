@@ -10,10 +10,10 @@ import sys
 from conftest import ROOT
 
 OURS = ["errors", "files", "cli", "group", "unet", "beton", "data", "fid", "evaluate", "diffusers_io", "mfu",
-        "checkpoints", "runs", "ddpm", "sampling", "shards", "ladder", "sample", "benchmark"]
+        "checkpoints", "phema", "runs", "ddpm", "sampling", "shards", "ladder", "sample", "benchmark"]
 BASE = {"errors", "files"}  # the one user error, and safe file writes and reads: any module may use them
 METHOD = {"ddpm", "cli", "checkpoints", "unet", "beton", "data", "fid", "evaluate", "diffusers_io", "mfu",
-          "runs", "group"} | BASE  # what ddpm.py stands on
+          "phema", "runs", "group"} | BASE  # what ddpm.py stands on
 ALLOWED = {  # what importing each module may load of ours, itself included
     "errors": {"errors"},
     "files": BASE,
@@ -27,6 +27,7 @@ ALLOWED = {  # what importing each module may load of ours, itself included
     "diffusers_io": {"diffusers_io", "unet"} | BASE,
     "mfu": {"mfu", "unet"},
     "checkpoints": {"checkpoints"} | BASE,
+    "phema": {"phema"} | BASE,
     "runs": {"runs", "checkpoints", "group", "mfu", "unet"} | BASE,
     "ddpm": METHOD,
     "sampling": METHOD | {"sampling"},
