@@ -1023,6 +1023,7 @@ def train(mc, tc, preset="custom"):
     timer = mfu.StepTimer(run.device)
     timing_warmup = step + 5  # the first steps after (re)start (compiling, allocator warm-up): off the clock
     tally = runs.Tally(run.device)  # the log interval's loss sums and skipped steps, on the device
+    ticker, row = runs.OffTerminal(), None  # off a terminal, a progress line a minute instead of tqdm's bar
     start_step, t_start = step, time.time()
 
     def save_checkpoint(step):  # rank 0 alone: the other ranks hold the same state
@@ -1052,11 +1053,13 @@ def train(mc, tc, preset="custom"):
 
             # 1. checkpoint, sample grid, evaluation (off the clock; the checkpoint first, so that a failure
             #    in sampling or evaluation never costs it)
-            if lead and b.phema and step > start_step and (
-                    last_step or b.phema.snapshot_due(step, tc.batch_size, tc.ema_snapshot_kimg)):
-                b.phema.snapshot(run.out_dir, b.model, step, step * tc.batch_size)
             if step > start_step and (last_step or due(tc.ckpt_every_steps, step)):
                 save_checkpoint(step)
+            # post-hoc EMA snapshots after the checkpoint (and again on resuming at a snapshot's step: a
+            # crash between the two must not cost it)
+            kimg_due = b.phema and b.phema.snapshot_due(step, tc.batch_size, tc.ema_snapshot_kimg)
+            if lead and b.phema and step > 0 and (kimg_due or last_step and step > start_step):
+                b.phema.snapshot(run.out_dir, b.model, step, step * tc.batch_size, runs.kept(run.out_dir))
             if step > start_step and tc.num_samples and (last_step or due(tc.sample_every_steps, step)):
                 save_samples(run, mc, tc, step)
             if run.evaluator and step > start_step and (last_step or due(tc.eval_every_steps, step)):
@@ -1082,6 +1085,8 @@ def train(mc, tc, preset="custom"):
             if due(tc.log_every_steps, step) or step == tc.max_steps:
                 row = log_interval(run, tc, step, tally, out.grad_norm, timer.read_ms(), t_start)
                 pbar.set_postfix_str(runs.progress_text(row))
+            if lead and ticker.due():
+                say(f"step {step}/{tc.max_steps}" + (f" ({runs.progress_text(row)})" if row else ""))
 
             # 4. a stop request (SIGTERM, SIGINT) ends the run after this step, with a checkpoint
             if preempt.requested():

@@ -28,7 +28,10 @@ def first_line(e):
 @contextlib.contextmanager
 def reported():
     """Each command's main runs inside this: a UserError becomes one `error:` line and its exit status.
-    Under torchrun the line names the rank that raised it."""
+    Under torchrun the line names the rank that raised it. Output goes out line by line, off a terminal too
+    (a batch job's log sees the start line at the start, not when a 8 KiB buffer fills)."""
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(line_buffering=True)
     try:
         yield
     except UserError as e:

@@ -114,7 +114,7 @@ class Tracked:
         """One snapshot of every tracked width, in half precision."""
         return sum(2 * a.numel() for average in self.averages for a in average)
 
-    def snapshot(self, out_dir, model, step, nimg):
+    def snapshot(self, out_dir, model, step, nimg, kept="the earlier snapshots are intact"):
         """Each tracked EMA, in half precision, to <out_dir>/phema/phema-<step>-<sigma_rel>.pt (written as
         every file of the run folder is: a fresh temporary name, then a rename; the folder made here)."""
         folder = files.own_folder(os.path.join(out_dir, FOLDER))
@@ -123,7 +123,7 @@ class Tracked:
             state = {name: a.half() for name, a in zip(names, average)}
             record = {"step": step, "nimg": nimg, "sigma_rel": sigma_rel, "gamma": gamma, "params": state}
             path = os.path.join(folder, f"phema-{step:09d}-{sigma_rel:.4f}.pt")
-            with files.created(path, kept="the earlier snapshots are intact") as f:
+            with files.created(path, kept=kept) as f:
                 torch.save(record, f)
 
 

@@ -369,6 +369,21 @@ def environment(device):
     }
 
 
+class OffTerminal:
+    """Progress where tqdm draws nothing (output to a file: a batch job's log): due() is true once every
+    EVERY_S seconds there, never on a terminal."""
+    EVERY_S = 60
+
+    def __init__(self):
+        self.on, self.last = not sys.stdout.isatty(), time.time()
+
+    def due(self):
+        if not self.on or time.time() - self.last < self.EVERY_S:
+            return False
+        self.last = time.time()
+        return True
+
+
 def save_grid(images, path, kept=""):
     """images in [-1, 1], (B, C, H, W) -> a square PNG grid, created fresh; small images are enlarged to be
     visible. -> the grid, (C, H, W) in [0, 1]."""

@@ -307,6 +307,7 @@ def draw_shards(args, plan, model, mc, diffusion, device, checkpoints):
     who = f"rank {plan.rank}: " if plan.world > 1 else ""
     drawn, t0 = 0, time.perf_counter()  # a bar of the time left, on a terminal only: each rank's own share
     bar = tqdm(total=mine, desc=f"{who}sampling", unit="img", disable=None, leave=False)
+    ticker = runs.OffTerminal()  # off a terminal, a line a minute instead of the bar
     for k in plan.mine(plan.missing):
         images, labels = [], []
         for x, y in draw_batches(args, net, capture, mc, diffusion, device, *plan.ranges[k]):
@@ -315,6 +316,8 @@ def draw_shards(args, plan, model, mc, diffusion, device, checkpoints):
             drawn += len(x)
             bar.update(len(x))
         shards.save(plan, k, np.concatenate(images), np.concatenate(labels), made)
+        if ticker.due():
+            print(f"{who}{drawn}/{mine} images drawn", flush=True)
     bar.close()
     if drawn:
         print(f"{who}{before + drawn}/{args.n} images" if plan.world == 1 else f"{who}{drawn} images drawn",

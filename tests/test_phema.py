@@ -1,4 +1,5 @@
 """Post-hoc EMA against the paper's maths (Karras et al. 2024, appendix C.2), written out independently."""
+import io
 import os
 
 import numpy as np
@@ -160,7 +161,8 @@ def test_training_snapshots_resume_bitwise_and_sample_py_rebuilds_a_width(tmp_pa
     for name in names:
         a, b = (torch.load(os.path.join(run, "phema", name), weights_only=True)
                 for run in (straight, tmp_path / "b"))
-        assert a["nimg"] == b["nimg"] and all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
+        assert a["nimg"] == b["nimg"]
+        assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
     ckpts = [torch.load(os.path.join(run, "ckpt.pt"), weights_only=True)["phema"]
              for run in (straight, tmp_path / "b")]
     assert all(torch.equal(x, y) for u, v in zip(*(c["averages"] for c in ckpts)) for x, y in zip(u, v))
@@ -187,3 +189,21 @@ def test_resuming_a_run_without_post_hoc_ema_state_is_one_line(tmp_path):
     with pytest.raises(UserError, match="holds no post-hoc EMA .*--ema_snapshot_kimg=0"):
         ddpm.train(tiny_model(), tiny_trainer(tmp_path, max_steps=4, resume=True, ema_snapshot_kimg=1),
                    preset="test")
+
+
+def test_a_snapshot_lost_between_checkpoint_and_snapshot_is_written_on_resuming(tmp_path):
+    """The checkpoint comes first; a crash before the snapshot of the same step is made good by --resume."""
+    from conftest import tiny_model, tiny_trainer
+
+    import ddpm
+
+    kw = dict(batch_size=16, ema_snapshot_kimg=1)
+    ddpm.train(tiny_model(), tiny_trainer(tmp_path, max_steps=63, **kw), preset="test")
+    kept = {name: (tmp_path / "phema" / name).read_bytes() for name in os.listdir(tmp_path / "phema")}
+    for name in kept:
+        os.remove(tmp_path / "phema" / name)  # as if the process died right after ckpt.pt
+    ddpm.train(tiny_model(), tiny_trainer(tmp_path, max_steps=64, resume=True, **kw), preset="test")
+    for name, content in kept.items():
+        again = torch.load(tmp_path / "phema" / name, weights_only=True)
+        before = torch.load(io.BytesIO(content), weights_only=True)
+        assert all(torch.equal(again["params"][k], before["params"][k]) for k in before["params"])

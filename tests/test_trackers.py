@@ -132,3 +132,21 @@ def test_long_commands_show_progress_on_a_terminal_only(run_dir, tmp_path, capsy
     sample.main(["--ckpt", str(run_dir / "ema.pt"), "--n", "4", "--batch", "2", "--steps", "2", "--eval",
                  "bpd", "--strata", "1", "--out", str(tmp_path / "b.png")])
     assert ("bits/dim", None) in drawn
+
+
+def test_off_a_terminal_progress_comes_as_lines(run_dir, tmp_path, capsys, monkeypatch):
+    """Output to a file (capsys, here): training and sampling print a progress line every
+    runs.OffTerminal.EVERY_S seconds (0 here: every step and every shard) where tqdm draws nothing."""
+    import sample
+    from conftest import tiny_model, tiny_trainer
+
+    from ddpm import train
+
+    monkeypatch.setattr(runs.OffTerminal, "EVERY_S", 0)
+    capsys.readouterr()
+    train(tiny_model(), tiny_trainer(tmp_path / "run", max_steps=6, log_every_steps=3), preset="test")
+    out = capsys.readouterr().out
+    assert "step 2/6\n" in out and "step 6/6 (loss " in out
+    sample.main(["--ckpt", str(run_dir / "ema.pt"), "--n", "4", "--batch", "2", "--shard_size", "2",
+                 "--steps", "2", "--out", str(tmp_path / "g.png")])
+    assert "2/4 images drawn" in capsys.readouterr().out
