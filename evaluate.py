@@ -17,8 +17,10 @@ It is also a command that scores anything against anything (main, below):
     python evaluate.py --fid folder:/data/cifar/test /data/cifar/train --image_size 32 --out check.json
 
 A is scored against B, each an .npz, an image folder (or folder:PATH) or DATASET:SPLIT (cifar10 or shapes,
-train or test; --data_dir). B's statistics are cached in --stats_dir when B is a dataset split.
+train or test; --data_dir). B's statistics are cached in --stats_dir: a split's by its provenance, an .npz's
+or a folder's by its content (keep the file to keep them).
 """
+import hashlib
 import json
 import math
 import os
@@ -415,7 +417,8 @@ def parse_args(argv):
     p.add_argument("--data_dir", default="data", help="where cifar10 is (or is downloaded to)")
     p.add_argument("--shapes_count", type=int, default=50_000, help="images in the shapes dataset")
     p.add_argument("--stats_dir", default=fid.STATS_DIR,
-                   help="where a dataset split's reference statistics are cached")
+                   help="where B's statistics are cached (a split by its provenance, an .npz or folder "
+                        "by its content)")
     p.add_argument("--inception_weights", default="",
                    help=f"a local copy of torch-fidelity's Inception weights (also ${fid.WEIGHTS_ENV}); "
                         "default: torch.hub's cache, downloaded once")
@@ -431,6 +434,22 @@ def parse_args(argv):
     return args
 
 
+def content_key(op):
+    """SHA-256 of what an .npz or folder operand holds: the .npz file's bytes, or the folder's listing
+    (each image file's name, size and modification time, as a beton's provenance fingerprints a folder)."""
+    import data
+
+    h = hashlib.sha256()
+    if op[0] == "npz":
+        with files.open_regular(op[1]) as f:
+            for block in iter(lambda: f.read(2**22), b""):
+                h.update(block)
+    else:
+        for rel, size, mtime in data.image_files(op[1]).files:
+            h.update(f"{rel}\0{size}\0{mtime}\n".encode())
+    return h.hexdigest()
+
+
 def side_stats(op, args, extractor, image_size, device):
     """The reference side B: a dataset split's cached statistics, or those of an .npz's or folder's images.
     -> (statistics, their record)."""
@@ -439,12 +458,17 @@ def side_stats(op, args, extractor, image_size, device):
                                   args.stats_dir, op[2] == "train")
         ref = fid.reference_stats(extractor, op[1], args.data_dir, image_size, args.shapes_count, device,
                               args.stats_dir, args.batch, train=op[2] == "train")
-    else:
-        path = None
-        _, batches = operand_batches(op, args, image_size)
-        f, _ = fid.features(extractor, batches, device, desc=f"Inception features of {describe(op)}")
-        mu, sigma = fid.mean_cov(f)
-        ref = {"mu": mu, "sigma": sigma, "features": f[:fid.REFERENCE_KEEP].numpy(), "n": np.array(len(f))}
+    else:  # cached by content: the .npz's bytes, or the folder's image names, sizes and times
+        path = os.path.join(args.stats_dir, f"{op[0]}-{content_key(op)[:16]}-{image_size}px"
+                            + fid.extractor_suffix(extractor))
+        if files.is_regular(path):
+            ref = fid.read_stats(path)
+        else:
+            _, batches = operand_batches(op, args, image_size)
+            f, _ = fid.features(extractor, batches, device, desc=f"Inception features of {describe(op)}")
+            mu, sigma = fid.mean_cov(f)
+            ref = {"mu": mu, "sigma": sigma, "features": f[:fid.REFERENCE_KEEP].numpy(), "n": np.array(len(f))}
+            fid.write_stats(path, ref, args.stats_dir)
     record = {"source": describe(op), "kind": op[0], "split": op[2] if op[0] == "dataset" else None,
               "images": int(ref["n"]), "image_size": image_size, "sha256": fid.stats_sha256(ref),
               "cache": path}

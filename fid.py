@@ -156,10 +156,35 @@ def reference_path(extractor, dataset, data_dir, image_size, shapes_count, cache
     import data
 
     name = data.beton_name(dataset, data_dir, image_size, shapes_count, train=train)
+    return os.path.join(cache_dir, name.replace(".beton", extractor_suffix(extractor)))
+
+
+def extractor_suffix(extractor):
+    """-<network>[-<its weights' hash>].npz: a cached statistics file names the network that made it."""
     net = getattr(extractor, "name", type(extractor).__name__)
     sha = getattr(extractor, "weights_sha256", None)
-    suffix = f"-{net}" + (f"-{sha[:12]}" if sha else "") + ".npz"
-    return os.path.join(cache_dir, name.replace(".beton", suffix))
+    return f"-{net}" + (f"-{sha[:12]}" if sha else "") + ".npz"
+
+
+def read_stats(path):
+    """Cached statistics, checked before they are trusted (a file on disk may be truncated or someone
+    else's): a bad one is one UserError line."""
+    try:
+        with files.open_regular(path) as f, np.load(f) as z:
+            ref = {k: z[k] for k in z.files}
+        ok = {"mu", "sigma", "features", "n"} <= set(ref) and ref["sigma"].shape == (len(ref["mu"]),) * 2
+    except Exception:
+        ok = False
+    if not ok:
+        raise UserError(f"{path} is not readable FID reference statistics: delete it and they are computed "
+                        "again")
+    return ref
+
+
+def write_stats(path, ref, cache_dir):
+    own_or_named(cache_dir, STATS_DIR)
+    with files.created(path, kept="nothing is cached; the statistics are computed again next time") as f:
+        np.savez(f, **ref)
 
 
 def reference_stats(extractor, dataset, data_dir, image_size, shapes_count, device, cache_dir, batch=250,
@@ -173,16 +198,7 @@ def reference_stats(extractor, dataset, data_dir, image_size, shapes_count, devi
     (cached,) = group.all_reduce_sum(torch.tensor(float(os.path.exists(path)), dtype=torch.float64))
     # decided together: a rank that skipped the computation would leave the others waiting
     if cached == world:
-        try:  # a file on disk may be truncated or someone else's: checked before it is trusted
-            with files.open_regular(path) as f, np.load(f) as z:
-                ref = {k: z[k] for k in z.files}
-            ok = {"mu", "sigma", "features", "n"} <= set(ref) and ref["sigma"].shape == (len(ref["mu"]),) * 2
-        except Exception:
-            ok = False
-        if not ok:
-            raise UserError(f"{path} is not readable FID reference statistics: delete it and they are "
-                            "computed again")
-        return ref
+        return read_stats(path)
     try:
         images, _, _ = data.load_dataset(dataset, data_dir, image_size, shapes_count, train=train)
     except UserError as e:
@@ -197,9 +213,7 @@ def reference_stats(extractor, dataset, data_dir, image_size, shapes_count, devi
     kept = f[: REFERENCE_KEEP // world].float().numpy()  # this rank's share; rank 0's is what the cache keeps
     ref = {"mu": mu, "sigma": sigma, "features": kept, "n": np.array(len(images))}
     if rank == 0:
-        own_or_named(cache_dir, STATS_DIR)
-        with files.created(path, kept="nothing is cached; the statistics are computed again next time") as f:
-            np.savez(f, **ref)
+        write_stats(path, ref, cache_dir)
     return ref
 
 

@@ -324,7 +324,7 @@ def test_local_inception_weights_are_hashed_and_a_wrong_file_is_one_line(tmp_pat
 
 def test_evaluate_scores_npz_folders_and_dataset_splits(run_dir, tmp_path, monkeypatch, capsys):
     """The test split against the training split is close, noise is far, a folder of PNGs scores as the
-    .npz of the same images, and the reference split's statistics are cached."""
+    .npz of the same images, and the reference's statistics are cached (a split's, an .npz's by content)."""
     ext = TinyFeatures()
     monkeypatch.setattr(fid, "inception", lambda device, weights=None: ext)
     common_args = ["--image_size", "16", "--shapes_count", "256", "--stats_dir", str(tmp_path / "stats"),
@@ -341,8 +341,13 @@ def test_evaluate_scores_npz_folders_and_dataset_splits(run_dir, tmp_path, monke
     assert sanity["n"] == 256 and sanity["samples"] == "shapes:test"
     sample.main(common(run_dir, tmp_path / "s.png", "--n", "20", "--steps", "2", "--png_dir",
                        str(tmp_path / "png")))
-    same = evaluate.main(["--fid", f"folder:{tmp_path / 'png'}", str(tmp_path / "s.npz")])
+    argv = ["--fid", f"folder:{tmp_path / 'png'}", str(tmp_path / "s.npz"), "--stats_dir", str(tmp_path / "st")]
+    calls = ext.calls
+    same = evaluate.main(argv)
     assert same["fid"] == pytest.approx(0, abs=1e-3) and same["reference_stats"]["kind"] == "npz"
+    assert ext.calls == calls + 2 and len(os.listdir(tmp_path / "st")) == 1  # B cached by its content
+    again = evaluate.main(argv)
+    assert ext.calls == calls + 3 and again["fid"] == same["fid"]  # B's statistics from the cache
     out = capsys.readouterr().out
     assert "FID " in out and "warning: FID is biased upward at small n" in out
 
