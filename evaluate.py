@@ -467,7 +467,8 @@ def side_stats(op, args, extractor, image_size, device):
             _, batches = operand_batches(op, args, image_size)
             f, _ = fid.features(extractor, batches, device, desc=f"Inception features of {describe(op)}")
             mu, sigma = fid.mean_cov(f)
-            ref = {"mu": mu, "sigma": sigma, "features": f[:fid.REFERENCE_KEEP].numpy(), "n": np.array(len(f))}
+            ref = {"mu": mu, "sigma": sigma, "features": f[:fid.REFERENCE_KEEP].numpy(),
+                   "n": np.array(len(f))}
             fid.write_stats(path, ref, args.stats_dir)
     record = {"source": describe(op), "kind": op[0], "split": op[2] if op[0] == "dataset" else None,
               "images": int(ref["n"]), "image_size": image_size, "sha256": fid.stats_sha256(ref),

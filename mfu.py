@@ -2,16 +2,25 @@
 
 FLOPs are counted, not estimated: torch.utils.flop_counter sees every matmul, convolution and attention call
 (a multiply-add counts as 2 FLOPs), on the meta device at batch 1. The peak is the datasheet's for known GPUs
-and the measured square-matmul rate elsewhere. StepTimer times without syncing (CUDA events on a GPU), and
+and elsewhere the best square-matmul rate this machine has shown (remembered in PEAK_CACHE, so a start-up
+under load cannot inflate MFU). StepTimer times without syncing (CUDA events on a GPU), and
 keep_freed_memory is the allocator setting every CPU step runs under.
 """
+import json
+import math
 import os
 import platform
 import time
 
 import torch
 
+import files
+from errors import first_line
 from unet import UNet
+
+# the best matmul rate measured on each machine (CPU model, threads, torch, dtype): a folder of this program's
+PEAK_CACHE = os.environ.get("DDPM_PEAK_CACHE") or os.path.join(
+    os.path.expanduser(os.environ.get("XDG_CACHE_HOME") or "~/.cache"), "ddpm", "matmul_peaks.json")
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # the precisions that run under autocast
 
@@ -50,8 +59,37 @@ def measure_matmul_flops(device, dtype):
     """
     key = (str(device), dtype)
     if key not in _matmul_cache:
-        _matmul_cache[key] = max(time_matmuls(device, dtype) for _ in range(2))
+        measured = max(time_matmuls(device, dtype) for _ in range(2))
+        _matmul_cache[key] = remembered_best(f"{device_name(device)}|{torch.get_num_threads()} threads|"
+                                             f"torch {torch.__version__}|{dtype}", measured)
     return _matmul_cache[key]
+
+
+def remembered_best(machine, measured):
+    """max(measured, the best remembered for `machine` in PEAK_CACHE), remembered in turn. The file is read
+    only when it is a regular file of at most 1 MiB holding {name: FLOP/s}; anything else is said in one
+    warning line and replaced."""
+    peaks = {}
+    try:
+        with files.open_regular(PEAK_CACHE) as f:
+            peaks = json.loads(f.read(2**20 + 1))
+        if not (isinstance(peaks, dict) and all(type(v) is float and math.isfinite(v) and v > 0
+                                                for v in peaks.values())):
+            raise ValueError("not {machine: FLOP/s}")
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError) as e:
+        print(f"warning: {PEAK_CACHE} is not a table of peaks ({type(e).__name__}); it is written anew")
+        peaks = {}
+    best = max(measured, peaks.get(machine, 0.0))
+    if best > peaks.get(machine, 0.0):
+        try:
+            files.own_folder(os.path.dirname(PEAK_CACHE))
+            with files.created(PEAK_CACHE, "w") as f:
+                json.dump({**peaks, machine: best}, f, indent=1)
+        except Exception as e:  # remembering is a help, never a reason to stop: said, and MFU stands
+            print(f"warning: cannot remember the CPU peak in {PEAK_CACHE} ({first_line(e)})")
+    return best
 
 
 def time_matmuls(device, dtype):
@@ -86,7 +124,7 @@ def peak_flops(device, precision):
     if peak is not None:
         return peak, f"datasheet {torch.cuda.get_device_name(device)} {precision}"
     dtype = AUTOCAST_DTYPES.get(precision, torch.float32)
-    return measure_matmul_flops(device, dtype), f"measured {dtype} matmul on {device.type}"
+    return measure_matmul_flops(device, dtype), f"the best {dtype} matmul measured on this {device.type}"
 
 
 def train_flops_per_image(mc, attention="sdpa"):

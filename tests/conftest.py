@@ -1,11 +1,14 @@
 import json
 import os
 import sys
+import tempfile
 
 import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# the measured CPU peaks the runs remember (mfu.PEAK_CACHE): the tests' own, never the user's
+os.environ["DDPM_PEAK_CACHE"] = os.path.join(tempfile.mkdtemp(prefix="ddpm-test-peaks-"), "peaks.json")
 
 from ddpm import ModelConfig, TrainerConfig  # noqa: E402
 

@@ -1,5 +1,6 @@
 """FLOP counting against an analytic count, and the CPU ladder's rows."""
 import json
+import os
 
 import pytest
 import torch
@@ -252,3 +253,29 @@ def test_a_ladder_row_times_the_iteration_train_runs(monkeypatch):
     row = dict(ladder.LADDER[0][1], attention="sdpa", loader="resident")
     ladder.time_steps(mc, row, 4, torch.device("cpu"), images, labels, None, warmup=1, iters=2)
     assert seen == [0, 1, 2]
+
+
+def test_the_cpu_peak_is_the_best_this_machine_has_shown(tmp_path, monkeypatch, capsys):
+    """A start-up under load measures a low peak, which would inflate MFU: the best rate seen for the
+    machine is remembered and used; a damaged table is said in one warning line and written anew, and a
+    link planted at its folder is never written through."""
+    import mfu
+
+    monkeypatch.setattr(mfu, "PEAK_CACHE", str(tmp_path / "ddpm" / "peaks.json"))
+    assert mfu.remembered_best("cpu A", 2e11) == 2e11
+    assert mfu.remembered_best("cpu A", 1e11) == 2e11  # measured under load: the remembered best stands
+    assert mfu.remembered_best("cpu B", 5e10) == 5e10
+    assert json.load(open(tmp_path / "ddpm" / "peaks.json")) == {"cpu A": 2e11, "cpu B": 5e10}
+    (tmp_path / "ddpm" / "peaks.json").write_text('{"cpu A": true}')
+    capsys.readouterr()
+    assert mfu.remembered_best("cpu A", 1e11) == 1e11
+    assert "is not a table of peaks" in capsys.readouterr().out
+    assert json.load(open(tmp_path / "ddpm" / "peaks.json")) == {"cpu A": 1e11}
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    monkeypatch.setattr(mfu, "PEAK_CACHE", str(tmp_path / "linked" / "peaks.json"))
+    os.symlink(victim, tmp_path / "linked")
+    assert mfu.remembered_best("cpu A", 1e11) == 1e11
+    assert "cannot remember the CPU peak" in capsys.readouterr().out and os.listdir(victim) == []
+    _, source = mfu.peak_flops(torch.device("cpu"), "fp32")
+    assert source == "the best torch.float32 matmul measured on this cpu"

@@ -341,7 +341,8 @@ def test_evaluate_scores_npz_folders_and_dataset_splits(run_dir, tmp_path, monke
     assert sanity["n"] == 256 and sanity["samples"] == "shapes:test"
     sample.main(common(run_dir, tmp_path / "s.png", "--n", "20", "--steps", "2", "--png_dir",
                        str(tmp_path / "png")))
-    argv = ["--fid", f"folder:{tmp_path / 'png'}", str(tmp_path / "s.npz"), "--stats_dir", str(tmp_path / "st")]
+    argv = ["--fid", f"folder:{tmp_path / 'png'}", str(tmp_path / "s.npz"),
+            "--stats_dir", str(tmp_path / "st")]
     calls = ext.calls
     same = evaluate.main(argv)
     assert same["fid"] == pytest.approx(0, abs=1e-3) and same["reference_stats"]["kind"] == "npz"
