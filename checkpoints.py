@@ -94,7 +94,8 @@ def restore(ckpt, path, mc, model, ema, opt, loader, world, scaler=None, data_no
     try:
         saved = ckpt["model_config"]
         as_list = lambda v: list(v) if isinstance(v, (tuple, list)) else v  # noqa: E731
-        changed = [k for k, v in asdict(mc).items() if as_list(saved.get(k)) != as_list(v)]
+        defaults = asdict(type(mc)())  # a field newer than the checkpoint: its default is what it ran with
+        changed = [k for k, v in asdict(mc).items() if as_list(saved.get(k, defaults[k])) != as_list(v)]
         states = (ckpt["model"], ckpt["ema"], ckpt["optimizer"], dict(ckpt["loader"]), ckpt["rng"],
                   ckpt["step"])
     except (KeyError, TypeError, AttributeError) as e:

@@ -74,6 +74,9 @@ class ModelConfig:  # the network and the diffusion process
     attn_head_dim: int = ranged(0, 0, 8193)             # channels per head; 0 = the block's width /
                                                         # attn_heads
     dropout: float = ranged(0.1, 0, 1)                  # dropout in the residual blocks
+    norm_groups: int = ranged(0, 0, 1024)               # GroupNorm groups in every layer (diffusers'
+                                                        # norm_num_groups); 0 = per width: 32, fewer below 64
+
     num_classes: int = ranged(0, 0, 10**6)              # class-conditional with this many classes; 0 =
                                                         # unconditional
     p_uncond: float = ranged(0.1, 0, 1)                 # probability of dropping the label in training (for
@@ -269,6 +272,8 @@ def validate(mc, tc=None):
         check(r in grid, f"attn_resolutions: {r} never occurs; the patched grid has resolutions {grid}")
     widths = [int(mc.base_channels * m) for m in mc.channel_mult]
     check(min(widths) >= 2, f"channel_mult gives widths {widths}: each must be >= 2 channels")
+    check(all(w % max(mc.norm_groups, 1) == 0 for w in [mc.base_channels, *widths]),
+          f"norm_groups {mc.norm_groups} does not divide the widths {[mc.base_channels, *widths]}")
     check(mc.attn_heads or mc.attn_head_dim, "attn_heads=0 needs attn_head_dim > 0")
     if mc.attn_head_dim == 0:
         check(all(w % mc.attn_heads == 0 for w in widths),

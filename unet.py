@@ -31,11 +31,12 @@ NORM_EPS = 1e-6  # GroupNorm's epsilon in Ho et al.'s code (TF's group_norm), no
 POS_EMB_OMEGA = 64  # omega x grid size of Luhman & Luhman's position embedding (position_embedding_2d)
 
 
-def group_norm(channels):
-    # 32 groups as in the paper, but at least 2 channels per group: a group of one channel removes
-    # any per-channel shift, and so the time and class embedding a ResBlock adds just before its
-    # second norm (widths of 32 and below; the paper's are all >= 128, where this is 32 groups)
-    groups = max(g for g in range(1, 33) if channels % g == 0 and channels // g >= 2)
+def group_norm(channels, groups=0):
+    """GroupNorm of `groups` groups (ModelConfig.norm_groups: one count for the whole network, as diffusers'
+    norm_num_groups); 0: per width, 32 as in the paper but at least 2 channels per group: a group of one
+    channel removes any per-channel shift, and so the time and class embedding a ResBlock adds just before
+    its second norm (widths of 32 and below; the paper's are all >= 128, where this is 32 groups)."""
+    groups = groups or max(g for g in range(1, 33) if channels % g == 0 and channels // g >= 2)
     return nn.GroupNorm(groups, channels, eps=NORM_EPS)
 
 
@@ -83,12 +84,12 @@ def position_embedding_2d(channels, size):
 class ResBlock(nn.Module):
     """GroupNorm-SiLU-conv, add the time embedding, GroupNorm-SiLU-dropout-conv, plus a skip."""
 
-    def __init__(self, in_ch, out_ch, temb_ch, dropout):
+    def __init__(self, in_ch, out_ch, temb_ch, dropout, groups=0):
         super().__init__()
-        self.norm1 = group_norm(in_ch)
+        self.norm1 = group_norm(in_ch, groups)
         self.conv1 = ho_init(nn.Conv2d(in_ch, out_ch, 3, padding=1))
         self.temb_proj = ho_init(nn.Linear(temb_ch, out_ch))
-        self.norm2 = group_norm(out_ch)
+        self.norm2 = group_norm(out_ch, groups)
         self.dropout = nn.Dropout(dropout)
         self.conv2 = ho_init(nn.Conv2d(out_ch, out_ch, 3, padding=1), scale=0)
         self.skip = ho_init(nn.Conv2d(in_ch, out_ch, 1)) if in_ch != out_ch else nn.Identity()  # Ho's "nin"
@@ -124,13 +125,13 @@ class Attention(nn.Module):
     'math' writes the softmax out, as the reference baseline did.
     """
 
-    def __init__(self, channels, heads, head_dim, backend):
+    def __init__(self, channels, heads, head_dim, backend, groups=0):
         super().__init__()
         self.heads = heads or channels // head_dim  # heads = 0: as many heads of head_dim as the width holds
         self.head_dim = head_dim or channels // heads
         inner = self.heads * self.head_dim
         self.backend = backend
-        self.norm = group_norm(channels)
+        self.norm = group_norm(channels, groups)
         self.qkv = ho_init(nn.Linear(channels, 3 * inner), parts=3)  # Ho et al.'s q, k, v: three C x C layers
         self.proj = ho_init(nn.Linear(inner, channels), scale=0)
 
@@ -174,9 +175,10 @@ class Level(nn.Module):
 
     def __init__(self, in_chs, out_ch, temb_ch, attn, cfg, backend):
         super().__init__()
-        self.res = nn.ModuleList(ResBlock(c, out_ch, temb_ch, cfg.dropout) for c in in_chs)
+        groups = cfg.norm_groups
+        self.res = nn.ModuleList(ResBlock(c, out_ch, temb_ch, cfg.dropout, groups) for c in in_chs)
         self.attn = nn.ModuleList(
-            Attention(out_ch, cfg.attn_heads, cfg.attn_head_dim, backend) if attn else nn.Identity()
+            Attention(out_ch, cfg.attn_heads, cfg.attn_head_dim, backend, groups) if attn else nn.Identity()
             for _ in in_chs
         )
 
@@ -215,9 +217,9 @@ class UNet(nn.Module):
                 skip_chs.append(cur)
                 res //= 2
 
-        self.mid_res1 = ResBlock(cur, cur, temb_ch, cfg.dropout)
-        self.mid_attn = Attention(cur, cfg.attn_heads, cfg.attn_head_dim, attention)
-        self.mid_res2 = ResBlock(cur, cur, temb_ch, cfg.dropout)
+        self.mid_res1 = ResBlock(cur, cur, temb_ch, cfg.dropout, cfg.norm_groups)
+        self.mid_attn = Attention(cur, cfg.attn_heads, cfg.attn_head_dim, attention, cfg.norm_groups)
+        self.mid_res2 = ResBlock(cur, cur, temb_ch, cfg.dropout, cfg.norm_groups)
 
         self.up, self.upsample = nn.ModuleList(), nn.ModuleList()
         for i, w in reversed(list(enumerate(widths))):
@@ -230,7 +232,7 @@ class UNet(nn.Module):
             if i > 0:
                 res *= 2
 
-        self.norm_out = group_norm(cur)
+        self.norm_out = group_norm(cur, cfg.norm_groups)
         self.conv_out = ho_init(nn.Conv2d(cur, cfg.channels * P * P, 3, padding=1), scale=0)
 
     def forward(self, x, t, y=None):
@@ -317,8 +319,9 @@ def diffusers_config(model):
     widths = [int(cfg.base_channels * m) for m in cfg.channel_mult]
     need(widths[0] == cfg.base_channels, "channel_mult", "its first level is as wide as the input conv")
     groups = {m.num_groups for m in model.modules() if isinstance(m, nn.GroupNorm)}
-    need(len(groups) == 1, "base_channels",
-         f"one GroupNorm group count for all widths; these give {sorted(groups)}")
+    fits = [g for g in range(1, 33) if all(w % g == 0 and w // g >= 2 for w in [cfg.base_channels, *widths])]
+    need(len(groups) == 1, "norm_groups", f"one GroupNorm group count for all widths, and these widths give "
+         f"{sorted(groups)}: train with --norm_groups set to one of {fits}")
     attns = [m for m in model.modules() if isinstance(m, Attention)]
     if all(a.heads == 1 for a in attns):
         head_dim = None  # one head as wide as its block, Ho et al.'s attention
@@ -381,6 +384,10 @@ def model_fields_from_diffusers(config):
     need(up == ["AttnUpBlock2D" if a else "UpBlock2D" for a in reversed(attn)], "up_block_types",
          "the down blocks mirrored")
     need(config["mid_block_type"] == "UNetMidBlock2D", "mid_block_type", "a mid block with attention")
+    groups = config["norm_num_groups"]
+    need(all(w % groups == 0 for w in widths), "norm_num_groups", "a divisor of every width")
+    if all(group_norm(w).num_groups == groups for w in widths):
+        groups = 0  # what our per-width rule gives (Ho's 32 at widths >= 64): the config our runs record
     head_dim = config["attention_head_dim"]
     need(head_dim is None or (isinstance(head_dim, int) and head_dim > 0
                               and all(w % head_dim == 0 for w in widths)),
@@ -389,7 +396,8 @@ def model_fields_from_diffusers(config):
                 num_res_blocks=config["layers_per_block"],
                 attn_resolutions=tuple(size // 2**i for i, a in enumerate(attn) if a),
                 attn_heads=1 if head_dim is None else 0, attn_head_dim=head_dim or 0,
-                dropout=config["dropout"], num_classes=0, patch_size=1, pos_emb=False)
+                dropout=config["dropout"], num_classes=0, patch_size=1, pos_emb=False,
+                norm_groups=groups)
 
 
 def diffusers_state_dict(model):

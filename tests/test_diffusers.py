@@ -44,8 +44,9 @@ def their_model(model):
 
 @pytest.mark.parametrize("mc", [ModelConfig(dropout=0.0),  # the 'ho' preset: Ho et al.'s CIFAR-10 network
                                 wide(channel_mult=(1, 2, 2), num_res_blocks=2, attn_resolutions=(16, 4),
-                                     attn_heads=0, attn_head_dim=32)],
-                         ids=["ho", "multihead"])
+                                     attn_heads=0, attn_head_dim=32),
+                                tiny_model(base_channels=32, norm_groups=16)],  # a budget study's width
+                         ids=["ho", "multihead", "base32"])
 def test_float64_output_equals_diffusers(mc):
     torch.manual_seed(0)
     ours = randomise(UNet(mc)).double().eval()
@@ -95,10 +96,28 @@ def test_older_attention_names_load():
 
 @pytest.mark.parametrize("kw,field", [(dict(patch_size=2, attn_resolutions=(4,)), "patch_size"),
                                       (dict(num_classes=4), "num_classes"), (dict(pos_emb=True), "pos_emb"),
-                                      (dict(base_channels=16), "base_channels")])
+                                      (dict(base_channels=16), "norm_groups")])
 def test_models_diffusers_cannot_express_are_refused(kw, field):
     with pytest.raises(ValueError, match=f"cannot express {field}="):
         unet.diffusers_state_dict(UNet(tiny_model(**{"base_channels": 64, **kw})))
+
+
+def test_a_narrow_network_goes_both_ways_with_one_group_count(tmp_path):
+    """Widths 32 and 64 give per-width group counts [16, 32], which diffusers cannot hold: the refusal names
+    --norm_groups and the counts that would work; with norm_groups=16 the network exports, and a folder of
+    norm_num_groups 16 loads back as that network, bit for bit (Ho's 32 loads as the per-width default)."""
+    with pytest.raises(ValueError, match=r"train with --norm_groups set to one of \[1, 2, 4, 8, 16\]"):
+        unet.diffusers_state_dict(UNet(tiny_model(base_channels=32)))
+    mc = tiny_model(base_channels=32, norm_groups=16)
+    ours = randomise(UNet(mc))
+    diffusers_io.write(str(tmp_path / "hub"), ours, mc)
+    fields, state, _ = diffusers_io.read(str(tmp_path / "hub"))
+    assert fields["norm_groups"] == 16
+    assert json.load(open(tmp_path / "hub" / "config.json"))["norm_num_groups"] == 16
+    again = unet.load_diffusers_state_dict(UNet(dataclasses.replace(mc, **fields)), state)
+    assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), again.state_dict().values()))
+    ho = unet.model_fields_from_diffusers(unet.diffusers_config(UNet(ModelConfig())))
+    assert ho["norm_groups"] == 0  # the config a run of the 'ho' preset records
 
 
 def save_ema(model, mc, path):
