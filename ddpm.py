@@ -136,6 +136,8 @@ class TrainerConfig:  # the run
                                                         # the power-function EMAs tracked, each in (0, 0.28)
     ema_snapshot_kimg: int = ranged(5000, 0, 10**7)     # thousand images between their snapshots in
                                                         # <run>/phema (and one at the end); 0 = off
+    ema_eval_widths: tuple[float, ...] = (0.03, 0.05, 0.075, 0.1, 0.15)  # with both: the FID of each width,
+                                                        # rebuilt, at the end, and the best one
     hflip: bool = True                                  # random horizontal flips
     precision: Literal["auto", "bf16", "fp16", "tf32", "fp32"] = "auto"  # bf16 / fp16 (+ loss scaling)
                                                         # autocast, fp32 with TF32, true fp32; auto = bf16
@@ -293,9 +295,10 @@ def validate(mc, tc=None):
     check(tc.eval_fid_samples != 1, "eval_fid_samples must be 0 or >= 2 (a covariance needs two samples)")
     check(not tc.eta or any(SAMPLERS[s].eta is not None for s in (tc.sampler, tc.eval_sampler)),
           f"eta {tc.eta}: neither sampler ({tc.sampler}, eval_sampler {tc.eval_sampler}) takes an eta")
-    check(not tc.ema_snapshot_kimg or 1 <= len(tc.ema_sigma_rels) <= 8 and all(
-        0 < s < phema.SIGMA_REL_MAX for s in tc.ema_sigma_rels),
-        f"ema_sigma_rels needs 1 to 8 widths, each in (0, {phema.SIGMA_REL_MAX:.4f})")
+    for name, least in (("ema_sigma_rels", 1), ("ema_eval_widths", 0)):
+        w = getattr(tc, name)
+        check(not tc.ema_snapshot_kimg or least <= len(w) <= 8 and all(0 < s < phema.SIGMA_REL_MAX for s in w),
+              f"{name} needs {least} to 8 widths, each in (0, {phema.SIGMA_REL_MAX:.4f})")
     check(tc.batch_size % tc.grad_accum_steps == 0,
           f"batch_size {tc.batch_size} does not divide into grad_accum_steps={tc.grad_accum_steps} "
           "micro-batches")
@@ -1008,7 +1011,24 @@ def save_samples(run, mc, tc, step):
         grid = runs.save_grid(x, path, kept=runs.kept(run.out_dir))
         if run.trackers:
             run.trackers.image(grid, step)
-        runs.plot_losses(run.out_dir)
+        runs.plot_curves(run.out_dir)
+
+
+def ema_sweep(run, tc, step, say):
+    """At the end of a run with post-hoc EMA and FID: each of ema_eval_widths rebuilt from the snapshots
+    (phema.rebuild) and scored as the evaluations during training are (the same fixed noise); one metrics
+    row with every FID and the best width."""
+    b = run.built
+    group.barrier()  # rank 0 has written the last snapshots
+    net, fids = copy.deepcopy(b.ema), {}
+    for width in tc.ema_eval_widths:
+        phema.load_rebuilt(net, run.out_dir, width)
+        fids[str(width)] = run.evaluator(autocast_model(net, run.device, b.precision), net, bpd=False)["fid"]
+    best = min(fids, key=lambda w: fids[w] if fids[w] is not None else math.inf)  # NaN: logged as None
+    if run.rank == 0:
+        runs.log_row(run.out_dir, {"step": step, **{f"fid_ema_{w}": f for w, f in fids.items()},
+                                   "best_ema_sigma_rel": float(best)}, run.trackers)
+    say(f"post-hoc EMA at the end: FID {fids} by width; best {best}")
 
 
 def due(every, step):
@@ -1028,7 +1048,7 @@ def train(mc, tc, preset="custom"):
     timer = mfu.StepTimer(run.device)
     timing_warmup = step + 5  # the first steps after (re)start (compiling, allocator warm-up): off the clock
     tally = runs.Tally(run.device)  # the log interval's loss sums and skipped steps, on the device
-    ticker, row = runs.OffTerminal(), None  # off a terminal, a progress line a minute instead of tqdm's bar
+    ticker, logged = runs.OffTerminal(), None  # off a terminal, a progress line a minute, not tqdm's bar
     start_step, t_start = step, time.time()
 
     def save_checkpoint(step):  # rank 0 alone: the other ranks hold the same state
@@ -1068,11 +1088,15 @@ def train(mc, tc, preset="custom"):
             if step > start_step and tc.num_samples and (last_step or due(tc.sample_every_steps, step)):
                 save_samples(run, mc, tc, step)
             if run.evaluator and step > start_step and (last_step or due(tc.eval_every_steps, step)):
-                row = {"step": step, **run.evaluator(autocast_model(b.ema, run.device, b.precision), b.ema)}
+                row = {"step": step, "kimg": step * tc.batch_size / 1e3, "wall_s": time.time() - t_start,
+                       **run.evaluator(autocast_model(b.ema, run.device, b.precision), b.ema)}
                 if lead:
                     runs.log_row(run.out_dir, row, run.trackers)
+                    runs.plot_curves(run.out_dir)
                 say(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                                for k, v in row.items()))
+            if last_step and run.evaluator and b.phema and tc.eval_fid_samples and step > start_step:
+                ema_sweep(run, tc, step, say)
             if last_step:
                 break
 
@@ -1088,10 +1112,10 @@ def train(mc, tc, preset="custom"):
 
             # 3. log: one metrics.jsonl row per log_every_steps, the interval's only GPU->CPU sync
             if due(tc.log_every_steps, step) or step == tc.max_steps:
-                row = log_interval(run, tc, step, tally, out.grad_norm, timer.read_ms(), t_start)
-                pbar.set_postfix_str(runs.progress_text(row))
+                logged = log_interval(run, tc, step, tally, out.grad_norm, timer.read_ms(), t_start)
+                pbar.set_postfix_str(runs.progress_text(logged))
             if lead and ticker.due():
-                say(f"step {step}/{tc.max_steps}" + (f" ({runs.progress_text(row)})" if row else ""))
+                say(f"step {step}/{tc.max_steps}" + (f" ({runs.progress_text(logged)})" if logged else ""))
 
             # 4. a stop request (SIGTERM, SIGINT) ends the run after this step, with a checkpoint
             if preempt.requested():

@@ -192,9 +192,9 @@ class TrainingEval:
             self.held_out = images[:n][self.rank :: self.world], labels[:n][self.rank :: self.world]
 
     @torch.no_grad()
-    def __call__(self, net, ema):
+    def __call__(self, net, ema, bpd=True):
         """-> {'fid': ..., 'bpd': ..., ...}: samples from `net` (the EMA model as training runs it, under
-        autocast), the bound from `ema` itself, in fp32."""
+        autocast), the bound from `ema` itself, in fp32 (not with bpd=False)."""
         t0, out, tc, mc = time.time(), {}, self.tc, self.mc
         if self.extractor is not None:
             mine = torch.arange(self.rank, tc.eval_fid_samples, self.world)
@@ -206,7 +206,7 @@ class TrainingEval:
             feats, _ = fid.features(self.extractor, batches, self.device)
             out["fid"] = fid.fid_metrics(feats, None, self.ref, prc=False)["fid"]
             out["fid_samples"] = tc.eval_fid_samples
-        if self.held_out is not None:
+        if self.held_out is not None and bpd:
             g = torch.Generator().manual_seed(tc.seed + 1 + self.rank)
             bits, _ = held_out_bits(self.diffusion, ema, *self.held_out, mc.num_classes, self.device,
                                     self.batch, tc.eval_bpd_strata, generator=g)

@@ -401,17 +401,21 @@ def save_grid(images, path, kept=""):
     return grid.clamp(0, 1)
 
 
-def plot_losses(out_dir):
-    """loss.png from metrics.jsonl: the loss and its four timestep quartiles (none before the first row)."""
-    rows = [r for r in read_metrics(out_dir)[0] if "loss" in r]  # not the evaluation rows
+def plot_curves(out_dir):
+    """loss.png from metrics.jsonl: the loss and its four timestep quartiles (none before the first row);
+    and with evaluation rows, fid.png: FID against thousands of training images and against wall-clock
+    hours (this session's, as wall_s)."""
+    every = read_metrics(out_dir)[0]
+    rows = [r for r in every if "loss" in r]  # not the evaluation rows
+    evals = [r for r in every if isinstance(r.get("fid"), (int, float)) and "kimg" in r]
     if not rows:
         return
     try:
         import matplotlib
     except ImportError:  # a bare machine (e.g. a lent GPU box) may lack it: no plot, said once
-        if not getattr(plot_losses, "warned", False):
+        if not getattr(plot_curves, "warned", False):
             print("note: matplotlib is not installed; loss.png is not drawn (metrics.jsonl has the numbers)")
-            plot_losses.warned = True
+            plot_curves.warned = True
         return
 
     matplotlib.use("Agg")
@@ -427,12 +431,23 @@ def plot_losses(out_dir):
         ax.plot(steps, curve(f"loss_q{q}"), lw=0.8, alpha=0.7, label=f"t quartile {q}")
     ax.set(xlabel="step", ylabel="loss", yscale="log", title="training loss")
     ax.legend(fontsize=7)
-    fig.tight_layout()
+    figures = [(fig, "loss.png")]
+    if evals:
+        fig, axes = plt.subplots(1, 2, figsize=(8, 3.5), sharey=True)
+        for ax, x, label in ((axes[0], "kimg", "thousand training images"), (axes[1], "wall_s", "hours")):
+            scale = 3600 if x == "wall_s" else 1
+            ax.plot([r[x] / scale for r in evals], [r["fid"] for r in evals], "o-")
+            ax.set(xlabel=label, title=f"FID ({evals[-1].get('fid_samples')} samples, fixed noise)")
+        axes[0].set(ylabel="FID")
+        figures.append((fig, "fid.png"))
     try:
-        with files.created(os.path.join(out_dir, "loss.png"), kept=kept(out_dir)) as f:
-            fig.savefig(f, format="png", dpi=100)
+        for fig, name in figures:
+            fig.tight_layout()
+            with files.created(os.path.join(out_dir, name), kept=kept(out_dir)) as f:
+                fig.savefig(f, format="png", dpi=100)
     finally:
-        plt.close(fig)
+        for fig, _ in figures:
+            plt.close(fig)
 
 
 # -----------------------------------------------------------------------------

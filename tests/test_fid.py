@@ -126,6 +126,13 @@ def test_training_logs_fid_and_bpd(tmp_path, monkeypatch):
     assert [r["step"] for r in evals] == [2, 4]
     for r in evals:
         assert r["fid"] > 0 and 0 < r["bpd"] < 100 and r["bpd_images"] == 6 and r["fid_samples"] == 12
+        assert r["kimg"] == r["step"] * 16 / 1e3 and r["wall_s"] > 0
+    assert (tmp_path / "run" / "fid.png").exists()  # FID against kimg and hours
+    # post-hoc EMA is on by default: at the end, the FID of each of ema_eval_widths, rebuilt, and the best
+    (sweep,) = read_metrics(tmp_path / "run", "best_ema_sigma_rel")
+    widths = [f"fid_ema_{w}" for w in tc.ema_eval_widths]
+    assert sweep["step"] == 4 and all(sweep[k] > 0 for k in widths)
+    assert sweep["fid_ema_" + str(sweep["best_ema_sigma_rel"])] == min(sweep[k] for k in widths)
     # the cached reference statistics
     assert os.listdir(tmp_path / "stats") == ["shapes-train-16px-n512-tiny.npz"]
 
