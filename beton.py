@@ -12,6 +12,7 @@ import shutil
 import signal
 import threading
 
+import numpy as np
 import torch
 
 import files
@@ -118,7 +119,36 @@ def checksum(path):
     return h.hexdigest()
 
 
-def write_verified_beton(images, labels, num_classes, path, origin=None):
+def write_decoded(images, labels, path):
+    """The decoded images (N, 3, H, W) uint8 and labels as one uncompressed .npz, the torch loader's cache of
+    an image folder (decoding 50,000 JPEGs takes minutes; reading this, a second). -> its checksum."""
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    except OSError as e:
+        raise files.os_error(e, path, "nothing was written") from None
+    files.check_space([(path, images.numel() + labels.numel() * 8 + 2**20)],
+                      "free space, or use --loader=ffcv")
+    with files.created(path, kept="nothing was written") as f:
+        np.savez(f, images=images.numpy(), labels=labels.numpy())
+    return checksum(path)
+
+
+def read_decoded(path, meta):
+    """-> (images, labels) of a verified decoded cache (verify_beton first): its arrays must be what its
+    .json claims, else one UserError line."""
+    try:
+        with files.open_regular(path) as f, np.load(f) as z:
+            images, labels = z["images"], z["labels"]
+    except Exception as e:
+        raise UserError(f"cannot read {path} ({type(e).__name__}): delete it and its .json") from None
+    size = meta["image_size"]
+    if images.dtype != np.uint8 or images.shape[1:] != (3, size, size) or labels.shape != (len(images),) or \
+            len(images) != meta["images"]:
+        raise UserError(f"{path} does not hold what its .json claims: delete it and its .json")
+    return torch.from_numpy(images), torch.from_numpy(labels).long()
+
+
+def write_verified_beton(images, labels, num_classes, path, origin=None, writer=write_beton):
     """A beton and its metadata, PATH.json: what it holds, what it was written from (`origin`, the split's
     provenance()), and the file's size and checksum, which every use verifies. Any .json there is removed
     first and the new one renamed into place last: a beton without it is rewritten. Both are created fresh
@@ -135,7 +165,7 @@ def write_verified_beton(images, labels, num_classes, path, origin=None):
         raise files.os_error(e, meta_path, "nothing was written") from None
     meta = {"num_classes": num_classes, "images": len(images), "image_size": images.shape[-1]}
     meta.update(origin or {})
-    meta["blake2b"] = write_beton(images, labels, path)
+    meta["blake2b"] = writer(images, labels, path)
     try:
         meta["bytes"] = os.path.getsize(path)
         meta["claims_blake2b"] = claims_digest(meta)

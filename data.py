@@ -351,20 +351,24 @@ def beton_name(dataset, data_dir, image_size, shapes_count, train, listing=None)
     return beton_file(provenance(dataset, data_dir, image_size, shapes_count, train, listing), shapes_count)
 
 
-def beton_for(dataset, data_dir, image_size, beton_dir, shapes_count=SHAPES_COUNT, train=True):
+def beton_for(dataset, data_dir, image_size, beton_dir, shapes_count=SHAPES_COUNT, train=True, decoded=False):
     """-> (path of a finished .beton, num_classes), writing it first if it is not cached yet. The beton used
-    is the one its .json describes (verify_beton), and that .json records the data asked for."""
+    is the one its .json describes (verify_beton), and that .json records the data asked for. decoded: the
+    torch loaders' cache instead, the decoded images as <name>.decoded.npz (beton.write_decoded), made and
+    verified the same way."""
     listing = image_files(data_dir) if spec(dataset).reads == "folder" else None  # the one walk
     if os.path.normpath(beton_dir) == os.path.normpath(BETON_DIR):  # the default cache is this program's
         files.own_folder(beton_dir)  # own folder, never a planted link; one the user names may be a link
     origin = provenance(dataset, data_dir, image_size, shapes_count, train, listing)
-    path = os.path.join(beton_dir, beton_file(origin, shapes_count))
+    name = beton_file(origin, shapes_count)
+    path = os.path.join(beton_dir, name.replace(".beton", ".decoded.npz") if decoded else name)
     meta = beton.read_meta(path)
     if meta is None:
         images, labels, num_classes = load_dataset(dataset, data_dir, image_size, shapes_count, train,
                                                    listing)
         print(f"writing {path} ({len(images)} images)")
-        meta = beton.write_verified_beton(images, labels, num_classes, path, origin)
+        meta = beton.write_verified_beton(images, labels, num_classes, path, origin,
+                                          beton.write_decoded if decoded else beton.write_beton)
     beton.verify_beton(path, meta, image_size, origin)
     return path, meta["num_classes"]
 
@@ -549,7 +553,11 @@ def make_loader(kind, dataset, data_dir, image_size, batch_size, seed, device, *
     if kind == "ffcv":
         path, num_classes = beton_for(dataset, data_dir, image_size, beton_dir, shapes_count)
         return FFCVLoader(path, batch_size, seed, device, hflip, with_labels, num_workers), num_classes
-    images, labels, num_classes = load_dataset(dataset, data_dir, image_size, shapes_count)
+    if spec(dataset).reads == "folder":  # decoded once, then read back from the cache in a second
+        path, num_classes = beton_for(dataset, data_dir, image_size, beton_dir, shapes_count, decoded=True)
+        images, labels = beton.read_decoded(path, beton.read_meta(path))
+    else:
+        images, labels, num_classes = load_dataset(dataset, data_dir, image_size, shapes_count)
     cls = ResidentLoader if kind == "resident" else Loader
     return cls(images, labels, batch_size, seed, device, hflip, with_labels), num_classes
 

@@ -1,5 +1,7 @@
 """The three data sources and the loader."""
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -105,3 +107,37 @@ def test_resident_loader_gives_the_loaders_batches():
     for _ in range(7):  # across an epoch boundary
         (xa, ya), (xb, yb) = a.next(), b.next()
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
+
+
+def test_the_torch_loader_decodes_a_folder_once(tmp_path, capsys, monkeypatch):
+    """An image folder is decoded at the first start and cached beside the betons (verified like a beton:
+    the data asked for, every byte, the .json's claims); the next start reads the cache, and a changed
+    folder is decoded again under a new name."""
+    import json
+
+    import data
+
+    for c in ("a", "b"):
+        (tmp_path / "imgs" / c).mkdir(parents=True)
+        for i in range(6):
+            Image.fromarray(np.full((8, 8, 3), 20 * i, np.uint8)).save(tmp_path / "imgs" / c / f"{i}.png")
+    args = ("torch", "folder", str(tmp_path / "imgs"), 8, 4, 0, "cpu")
+    kw = dict(with_labels=True, beton_dir=str(tmp_path / "cache"))
+    first, k = data.make_loader(*args, **kw)
+    assert "writing" in capsys.readouterr().out and k == 2
+    decoded = []
+    monkeypatch.setattr(data, "to_rgb8", lambda im: decoded.append(1) or np.zeros((8, 8, 3), np.uint8))
+    again, k = data.make_loader(*args, **kw)
+    assert decoded == [] and k == 2 and torch.equal(again.images, first.images)
+    assert torch.equal(again.labels, first.labels)
+    (cached,) = [p for p in os.listdir(tmp_path / "cache") if p.endswith(".decoded.npz")]
+    meta_path = tmp_path / "cache" / (cached + ".json")
+    meta = json.load(open(meta_path))
+    json.dump({**meta, "num_classes": 3}, open(meta_path, "w"))
+    with pytest.raises(UserError, match="claims were changed"):
+        data.make_loader(*args, **kw)
+    json.dump(meta, open(meta_path, "w"))
+    Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(tmp_path / "imgs" / "a" / "new.png")
+    monkeypatch.undo()
+    changed, _ = data.make_loader(*args, **kw)
+    assert changed.n == 13 and len([p for p in os.listdir(tmp_path / "cache") if p.endswith(".npz")]) == 2

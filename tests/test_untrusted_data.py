@@ -92,7 +92,7 @@ def test_the_torch_loader_reads_a_folder_with_a_fifo_without_blocking(hostile):
     rc, out, err = run_python(
         "import data\n"
         f"loader, k = data.make_loader('torch', 'folder', {str(hostile)!r}, 8, 2, 0, 'cpu', "
-        "with_labels=True)\n"
+        f"with_labels=True, beton_dir={str(hostile) + '-betons'!r})\n"
         "x, y = loader.next()\n"
         "print('loaded', loader.n, k, sorted(loader.labels.tolist()))\n")
     assert rc == 0, err
