@@ -296,9 +296,9 @@ def validate(mc, tc=None):
     check(not tc.eta or any(SAMPLERS[s].eta is not None for s in (tc.sampler, tc.eval_sampler)),
           f"eta {tc.eta}: neither sampler ({tc.sampler}, eval_sampler {tc.eval_sampler}) takes an eta")
     for name, least in (("ema_sigma_rels", 1), ("ema_eval_widths", 0)):
-        w = getattr(tc, name)
-        check(not tc.ema_snapshot_kimg or least <= len(w) <= 8 and all(0 < s < phema.SIGMA_REL_MAX for s in w),
-              f"{name} needs {least} to 8 widths, each in (0, {phema.SIGMA_REL_MAX:.4f})")
+        w, top = getattr(tc, name), phema.SIGMA_REL_MAX
+        check(not tc.ema_snapshot_kimg or least <= len(w) <= 8 and all(0 < s < top for s in w),
+              f"{name} needs {least} to 8 widths, each in (0, {top:.4f})")
     check(tc.batch_size % tc.grad_accum_steps == 0,
           f"batch_size {tc.batch_size} does not divide into grad_accum_steps={tc.grad_accum_steps} "
           "micro-batches")
