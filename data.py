@@ -357,8 +357,7 @@ def beton_for(dataset, data_dir, image_size, beton_dir, shapes_count=SHAPES_COUN
     torch loaders' cache instead, the decoded images as <name>.decoded.npz (beton.write_decoded), made and
     verified the same way."""
     listing = image_files(data_dir) if spec(dataset).reads == "folder" else None  # the one walk
-    if os.path.normpath(beton_dir) == os.path.normpath(BETON_DIR):  # the default cache is this program's
-        files.own_folder(beton_dir)  # own folder, never a planted link; one the user names may be a link
+    files.own_or_named(beton_dir, BETON_DIR)
     origin = provenance(dataset, data_dir, image_size, shapes_count, train, listing)
     name = beton_file(origin, shapes_count)
     path = os.path.join(beton_dir, name.replace(".beton", ".decoded.npz") if decoded else name)

@@ -1014,13 +1014,33 @@ def save_samples(run, mc, tc, step):
         runs.plot_curves(run.out_dir)
 
 
+def off_the_clock(run, mc, tc, step, last_step, start_step, t_start, save_checkpoint, say):
+    """Before a step's iteration: the checkpoint first (no later failure costs it), the post-hoc EMA snapshots
+    (again on resuming at a snapshot's step, which a crash may have cost), the sample grid, the evaluation."""
+    b, new = run.built, step > start_step
+    if new and (last_step or due(tc.ckpt_every_steps, step)):
+        save_checkpoint(step)
+    kimg_due = b.phema and b.phema.snapshot_due(step, tc.batch_size, tc.ema_snapshot_kimg)
+    if run.rank == 0 and b.phema and step > 0 and (kimg_due or last_step and new):
+        b.phema.snapshot(run.out_dir, b.model, step, step * tc.batch_size, runs.kept(run.out_dir))
+    if new and tc.num_samples and (last_step or due(tc.sample_every_steps, step)):
+        save_samples(run, mc, tc, step)
+    if run.evaluator and new and (last_step or due(tc.eval_every_steps, step)):
+        row = {"step": step, "kimg": step * tc.batch_size / 1e3, "wall_s": time.time() - t_start,
+               **run.evaluator(autocast_model(b.ema, run.device, b.precision), b.ema)}
+        if run.rank == 0:
+            runs.log_row(run.out_dir, row, run.trackers)
+            runs.plot_curves(run.out_dir)
+        say(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
+        if last_step and b.phema and tc.eval_fid_samples:
+            ema_sweep(run, tc, step, say)
+
+
 def ema_sweep(run, tc, step, say):
-    """At the end of a run with post-hoc EMA and FID: each of ema_eval_widths rebuilt from the snapshots
-    (phema.rebuild) and scored as the evaluations during training are (the same fixed noise); one metrics
-    row with every FID and the best width."""
-    b = run.built
+    """At the end of a run with post-hoc EMA and FID: each of ema_eval_widths rebuilt from the snapshots and
+    scored on the evaluations' fixed noise; one metrics row with every FID and the best width."""
+    b, fids, net = run.built, {}, copy.deepcopy(run.built.ema)
     group.barrier()  # rank 0 has written the last snapshots
-    net, fids = copy.deepcopy(b.ema), {}
     for width in tc.ema_eval_widths:
         phema.load_rebuilt(net, run.out_dir, width)
         fids[str(width)] = run.evaluator(autocast_model(net, run.device, b.precision), net, bpd=False)["fid"]
@@ -1076,27 +1096,8 @@ def train(mc, tc, preset="custom"):
         while True:
             last_step = step >= tc.max_steps
 
-            # 1. checkpoint, sample grid, evaluation (off the clock; the checkpoint first, so that a failure
-            #    in sampling or evaluation never costs it)
-            if step > start_step and (last_step or due(tc.ckpt_every_steps, step)):
-                save_checkpoint(step)
-            # post-hoc EMA snapshots after the checkpoint (and again on resuming at a snapshot's step: a
-            # crash between the two must not cost it)
-            kimg_due = b.phema and b.phema.snapshot_due(step, tc.batch_size, tc.ema_snapshot_kimg)
-            if lead and b.phema and step > 0 and (kimg_due or last_step and step > start_step):
-                b.phema.snapshot(run.out_dir, b.model, step, step * tc.batch_size, runs.kept(run.out_dir))
-            if step > start_step and tc.num_samples and (last_step or due(tc.sample_every_steps, step)):
-                save_samples(run, mc, tc, step)
-            if run.evaluator and step > start_step and (last_step or due(tc.eval_every_steps, step)):
-                row = {"step": step, "kimg": step * tc.batch_size / 1e3, "wall_s": time.time() - t_start,
-                       **run.evaluator(autocast_model(b.ema, run.device, b.precision), b.ema)}
-                if lead:
-                    runs.log_row(run.out_dir, row, run.trackers)
-                    runs.plot_curves(run.out_dir)
-                say(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                               for k, v in row.items()))
-            if last_step and run.evaluator and b.phema and tc.eval_fid_samples and step > start_step:
-                ema_sweep(run, tc, step, say)
+            # 1. checkpoint, post-hoc EMA snapshots, sample grid, evaluation (off the clock)
+            off_the_clock(run, mc, tc, step, last_step, start_step, t_start, save_checkpoint, say)
             if last_step:
                 break
 

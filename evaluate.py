@@ -435,18 +435,16 @@ def parse_args(argv):
 
 
 def content_key(op):
-    """SHA-256 of what an .npz or folder operand holds: the .npz file's bytes, or the folder's listing
-    (each image file's name, size and modification time, as a beton's provenance fingerprints a folder)."""
+    """A digest of what an .npz or folder operand holds: the .npz file's bytes (SHA-256), or the folder's
+    listing (data.Listing.fingerprint: its image files' names, sizes and times, as a beton's provenance)."""
     import data
 
+    if op[0] == "folder":
+        return data.image_files(op[1]).fingerprint()
     h = hashlib.sha256()
-    if op[0] == "npz":
-        with files.open_regular(op[1]) as f:
-            for block in iter(lambda: f.read(2**22), b""):
-                h.update(block)
-    else:
-        for rel, size, mtime in data.image_files(op[1]).files:
-            h.update(f"{rel}\0{size}\0{mtime}\n".encode())
+    with files.open_regular(op[1]) as f:
+        for block in iter(lambda: f.read(2**22), b""):
+            h.update(block)
     return h.hexdigest()
 
 

@@ -141,15 +141,6 @@ def frechet_distance(mu1, sigma1, mu2, sigma2):
         "frechet_inception_distance"]
 
 
-def own_or_named(folder, default):
-    """The default folder is this program's (files.own_folder: never a planted link); one the user named
-    may be anything, links included (runs on another disk)."""
-    if os.path.normpath(folder) == os.path.normpath(default):
-        return files.own_folder(folder)
-    os.makedirs(folder, exist_ok=True)
-    return folder
-
-
 def reference_path(extractor, dataset, data_dir, image_size, shapes_count, cache_dir, train=True):
     """Where a split's statistics are cached: the name changes with the data (as a beton's does) and with
     the network (its name, and its weights' hash where it has one)."""
@@ -182,7 +173,7 @@ def read_stats(path):
 
 
 def write_stats(path, ref, cache_dir):
-    own_or_named(cache_dir, STATS_DIR)
+    files.own_or_named(cache_dir, STATS_DIR)
     with files.created(path, kept="nothing is cached; the statistics are computed again next time") as f:
         np.savez(f, **ref)
 

@@ -8,6 +8,7 @@ image folder can neither redirect a write nor block a read.
     files.append_line(path, text)     # one os.write of a whole line to a regular file (never through a link)
     with files.open_regular(path) as f: ...   # refuses anything but a regular file, without blocking on it
     files.own_folder(path)            # a folder the program names itself: made here, never a planted link
+    files.own_or_named(path, default) # a cache folder: own_folder when it is the default, else the user's
     files.check_space([(path, bytes)], advice)  # refuse, before writing, what the free disk cannot hold
 
 OS errors (a full disk, a read-only folder, no permission) become one UserError line naming the file and the
@@ -164,6 +165,18 @@ def own_folder(path):
         raise UserError(f"{path} belongs to another user; this program uses only folders it made: remove it, "
                         "or choose another place")
     return path
+
+
+def own_or_named(folder, default):
+    """A cache folder: the program's default one is its own (own_folder: never a planted link); one the user
+    named may be anything, links included (runs on another disk), and is made if missing. -> folder."""
+    if os.path.normpath(folder) == os.path.normpath(default):
+        return own_folder(folder)
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        raise os_error(e, folder) from None
+    return folder
 
 
 def write_npz(path, shape, chunks):

@@ -64,7 +64,7 @@ def test_every_derived_folder_refuses_a_planted_link(tmp_path, monkeypatch, wher
     monkeypatch.setattr(runs.time, "strftime", lambda fmt: "now")
     name, make = {
         "betons": (data.BETON_DIR, lambda: data.beton_for("shapes", "", 8, data.BETON_DIR, shapes_count=16)),
-        "fid statistics": (fid.STATS_DIR, lambda: fid.own_or_named(fid.STATS_DIR, fid.STATS_DIR)),
+        "fid statistics": (fid.STATS_DIR, lambda: files.own_or_named(fid.STATS_DIR, fid.STATS_DIR)),
         "run folder": ("runs/test-now", lambda: runs.prepare_run_folder("", "test", False, 1)),
         "wandb": ("run/wandb", lambda: files.own_folder("run/wandb")),
         "a folder of our own": ("out.shards", lambda: files.own_folder("out.shards")),
@@ -80,7 +80,7 @@ def test_a_folder_the_user_names_may_be_a_link(tmp_path, monkeypatch):
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     os.symlink(elsewhere, tmp_path / "mine")
-    assert fid.own_or_named(str(tmp_path / "mine"), fid.STATS_DIR) == str(tmp_path / "mine")
+    assert files.own_or_named(str(tmp_path / "mine"), fid.STATS_DIR) == str(tmp_path / "mine")
     assert runs.prepare_run_folder(str(tmp_path / "mine"), "test", False, 1) == str(tmp_path / "mine")
 
 
