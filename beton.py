@@ -8,7 +8,6 @@ import contextlib
 import hashlib
 import json
 import os
-import shutil
 import signal
 import threading
 
@@ -71,12 +70,9 @@ def write_beton(images, labels, path, num_workers=2):
     need = images.numel() // (1 if raw else 4) + 2**20  # FFCV's writer hangs on a full disk: fail before it
     try:
         os.makedirs(folder, exist_ok=True)
-        free = shutil.disk_usage(folder).free
     except OSError as e:
         raise files.os_error(e, path, kept) from None
-    if free < need:
-        raise UserError(f"{folder} has {free / 2**20:.0f} MiB free; "
-                        f"the beton needs about {need / 2**20:.0f} MiB: {kept}")
+    files.check_space([(path, need)], kept)
     tmp = None
     previous = (signal.signal(signal.SIGTERM, interrupt)
                 if threading.current_thread() is threading.main_thread() else None)

@@ -218,5 +218,6 @@ def check_space(needs, advice):
     for folder, size in per_disk.values():
         free = shutil.disk_usage(folder).free
         if size > free:
-            raise UserError(f"this needs about {size / 2**30:.2f} GiB in {folder} and {free / 2**30:.2f} GiB "
-                            f"are free: {advice}")
+            unit, scale = ("GiB", 2**30) if size >= 2**30 else ("MiB", 2**20)
+            raise UserError(f"this needs about {size / scale:.1f} {unit} in {folder} and {free / scale:.1f} "
+                            f"{unit} are free: {advice}")

@@ -19,6 +19,7 @@ import checkpoints
 import group
 import benchmark
 import data
+import files
 import ddpm
 import sample
 import runs
@@ -237,8 +238,8 @@ def test_a_damaged_or_replaced_beton_is_one_line(tmp_path, damage, needle):
 @needs_ffcv
 def test_beton_writing_on_a_full_disk_fails_at_once_and_leaves_no_temporary_file(tmp_path, monkeypatch):
     images, labels, _ = data.shapes(64, 16)
-    monkeypatch.setattr(beton.shutil, "disk_usage", lambda p: type("U", (), {"free": 1000})())
-    with pytest.raises(UserError, match="MiB free"):
+    monkeypatch.setattr(files.shutil, "disk_usage", lambda p: type("U", (), {"free": 1000})())
+    with pytest.raises(UserError, match=r"needs about 1\.\d MiB in .* and 0\.0 MiB are free: nothing was"):
         beton.write_verified_beton(images, labels, 4, str(tmp_path / "x.beton"))
     monkeypatch.undo()
     import ffcv.writer
