@@ -169,6 +169,7 @@ def on_disk(plan, k, checksums):
     try:
         images, labels, saved, span = read(path)
         why = (None if checksums.get(str(k)) == content_sha256(images, labels)
+               else "the manifest records no checksum for it" if str(k) not in checksums
                else "its content does not match the checksum the manifest recorded when it was written")
     except Exception as e:
         why = f"it is unreadable ({type(e).__name__})"
@@ -188,14 +189,15 @@ def read(path):
 
 
 def save(plan, k, images, labels, made):
-    """Shard k, written whole to a fresh name and renamed into place; then its checksum in the manifest."""
+    """Shard k, written whole to a fresh name and renamed into place, its checksum put in the manifest
+    before the rename: a stop between the two drops the shard, so every shard on disk has one."""
     with files.created(plan.path(k), kept="the shards written before it are kept") as f:
         np.savez(f, images=images, labels=labels, settings=np.array(json.dumps(plan.settings)),
                  range=np.array(plan.ranges[k]), made=np.array(json.dumps(made)))
-    with manifest_locked(plan.folder):
-        manifest = read_manifest(plan.folder)
-        manifest["checksums"][str(k)] = content_sha256(images, labels)
-        write_manifest(plan.folder, manifest)
+        with manifest_locked(plan.folder):
+            manifest = read_manifest(plan.folder)
+            manifest["checksums"][str(k)] = content_sha256(images, labels)
+            write_manifest(plan.folder, manifest)
 
 
 def load(plan, k):
@@ -242,9 +244,8 @@ def all_features(plan, local):
 def remove(plan):
     """The shard folder, once the outputs are written: only the files this program names are removed, only
     from a real folder (never through a link), and the folder only if nothing else is left in it."""
-    names = ["manifest.json", ".manifest.lock"] + [os.path.basename(plan.path(k, kind))
-                                                   for k in range(len(plan.ranges))
-                                                   for kind in ("shard", "features")]
+    names = ["manifest.json", ".manifest.lock"] + [os.path.basename(plan.path(k, kind)) for kind in
+                                                   ("shard", "features") for k in range(len(plan.ranges))]
     with contextlib.suppress(OSError):
         if not os.path.isdir(plan.folder) or os.path.islink(plan.folder):
             return
@@ -255,9 +256,8 @@ def remove(plan):
 
 
 def check_png_dir(folder, n, out):
-    """--png_dir: made if missing; it may hold only this run's own PNGs (NNNNNN.png, below n: a run
-    continued), so that a tool scoring the folder sees these n images and no others (never --out's
-    folder)."""
+    """--png_dir: made if missing, never --out's folder; it may hold only this run's own PNGs (NNNNNN.png,
+    below n: a run continued), so that a tool scoring the folder sees these n images and no others."""
     if os.path.realpath(folder) == os.path.realpath(os.path.dirname(os.path.abspath(out))):
         raise UserError(f"--png_dir {folder} is --out's own folder, where the grid, .npz and .json go: a "
                         "tool scoring it would see them too; give a folder of its own")

@@ -20,6 +20,7 @@ import fid
 import files
 import runs
 import sample
+import shards
 from errors import UserError
 
 needs_ffcv = pytest.mark.skipif(not beton.ffcv_available(), reason="ffcv is not installed")
@@ -170,7 +171,7 @@ def test_fid_checks_both_inputs_before_any_inception_work(tmp_path, capsys, monk
 # ---- 3. a shard proves its content
 
 
-@pytest.mark.parametrize("damage", ["flipped byte", "zeroed images"])
+@pytest.mark.parametrize("damage", ["flipped byte", "zeroed images", "no checksum"])
 def test_a_shard_whose_content_changed_is_drawn_again(run_dir, tmp_path, capsys, damage):
     argv = common(run_dir, tmp_path / "g.png", "--n", "6", "--batch", "2", "--shard_size", "2",
                   "--keep_shards")
@@ -182,6 +183,10 @@ def test_a_shard_whose_content_changed_is_drawn_again(run_dir, tmp_path, capsys,
         content = dict(np.load(shard))
         content["images"] = np.zeros_like(content["images"])
         np.savez(shard, **content)
+    elif damage == "no checksum":
+        manifest = json.loads((tmp_path / "g.shards" / "manifest.json").read_text())
+        del manifest["checksums"]["1"]
+        (tmp_path / "g.shards" / "manifest.json").write_text(json.dumps(manifest))
     else:
         raw = bytearray(shard.read_bytes())
         raw[200] ^= 0x01  # inside the images' array
@@ -192,6 +197,31 @@ def test_a_shard_whose_content_changed_is_drawn_again(run_dir, tmp_path, capsys,
     out = capsys.readouterr().out
     assert "shard-000001.npz" in out and "drawn again" in out
     assert result["resumed"] == 4 and result["drawn"] == 2
+    assert np.array_equal(np.load(tmp_path / "g.npz")["arr_0"], np.load(tmp_path / "s.npz")["arr_0"])
+
+
+def test_a_stop_between_the_checksum_and_the_rename_leaves_no_shard_without_one(run_dir, tmp_path, capsys,
+                                                                               monkeypatch):
+    """A SIGTERM just after a shard's checksum is in the manifest: the shard is dropped whole, and the same
+    command draws it again without a warning (a shard on disk never lacks its checksum)."""
+    argv = common(run_dir, tmp_path / "g.png", "--n", "6", "--batch", "2", "--shard_size", "2")
+    real = shards.write_manifest
+
+    def stopped(folder, manifest):
+        real(folder, manifest)
+        if len(manifest["checksums"]) == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(shards, "write_manifest", stopped)
+    assert "stopped by a signal" in one_line_error(capsys, sample.main, argv, code=1)
+    monkeypatch.setattr(shards, "write_manifest", real)
+    listed = sorted(os.listdir(tmp_path / "g.shards"))
+    assert listed == [".manifest.lock", "manifest.json", "shard-000000.npz"]
+    result = sample.main(argv)
+    assert "warning" not in capsys.readouterr().out
+    assert result["resumed"] == 2 and result["drawn"] == 4
+    straight = common(run_dir, tmp_path / "s.png", "--n", "6", "--batch", "2", "--shard_size", "2")
+    sample.main(straight)
     assert np.array_equal(np.load(tmp_path / "g.npz")["arr_0"], np.load(tmp_path / "s.npz")["arr_0"])
 
 
