@@ -1,5 +1,7 @@
+import atexit
 import json
 import os
+import shutil
 import sys
 import tempfile
 
@@ -8,7 +10,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # the measured CPU peaks the runs remember (mfu.PEAK_CACHE): the tests' own, never the user's
-os.environ["DDPM_PEAK_CACHE"] = os.path.join(tempfile.mkdtemp(prefix="ddpm-test-peaks-"), "peaks.json")
+_peaks = tempfile.mkdtemp(prefix="ddpm-test-peaks-")
+os.environ["DDPM_PEAK_CACHE"] = os.path.join(_peaks, "peaks.json")
+atexit.register(shutil.rmtree, _peaks, ignore_errors=True)  # left behind by no test session
 
 from ddpm import ModelConfig, TrainerConfig  # noqa: E402
 
