@@ -111,8 +111,9 @@ class TrainerConfig:  # the run
     loader: Literal["ffcv", "torch", "resident"] = "ffcv"  # FFCV from a cached .beton; gathers from uint8
                                                         # tensors in host memory; or on the device
     beton_dir: str = data.BETON_DIR                     # where .beton files are written once and reused
-    fid_stats_dir: str = fid.STATS_DIR                  # where the training set's FID reference statistics
-                                                        # are cached
+    fid_stats_dir: str = fid.STATS_DIR                  # where FID reference statistics are cached
+    fid_ref_images: int = ranged(0, 0, 10**8)           # FID reference: this many training images, a fixed
+                                                        # draw (fid.reference_subset); 0 = all of them
     num_workers: int = ranged(2, 1, 257)                # FFCV loader threads
     batch_size: int = ranged(128, 1, 2**20)             # global batch size, images per optimizer step
     grad_accum_steps: int = ranged(1, 1, 4097)          # micro-batches per optimizer step and rank (the batch
@@ -178,8 +179,7 @@ class TrainerConfig:  # the run
                                                         # dynamic (Saharia et al. 2022, p99.5), none
     eval_every_steps: int = ranged(0, 0, 10**9)         # steps between evaluations (FID, bits/dim) logged to
                                                         # metrics.jsonl; 0 = never
-    eval_fid_samples: int = ranged(5000, 0, 10**6)      # EMA samples for that FID, against the training set
-                                                        # (torch-fidelity); 0 = no FID
+    eval_fid_samples: int = ranged(5000, 0, 10**6)      # EMA samples for that FID (torch-fidelity); 0 = none
     eval_sampler: str = chosen("dpm++", SAMPLERS)       # sampler for those samples
     eval_sample_steps: int = ranged(20, 1)              # its steps
     eval_bpd_images: int = ranged(1000, 0, 10**6)       # held-out images for bits/dim (the test split;

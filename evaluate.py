@@ -181,7 +181,8 @@ class TrainingEval:
         if tc.eval_fid_samples:
             self.extractor = extractor or fid.inception(device)
             self.ref = fid.reference_stats(self.extractor, tc.dataset, tc.data_dir, mc.image_size,
-                                       tc.shapes_count, device, cache_dir=tc.fid_stats_dir)
+                                           tc.shapes_count, device, tc.fid_stats_dir,
+                                           ref_images=tc.fid_ref_images)
         if tc.eval_bpd_images:
             try:
                 images, labels, _ = data.load_dataset(tc.dataset, tc.data_dir, mc.image_size, tc.shapes_count,
@@ -220,13 +221,16 @@ class TrainingEval:
 # sample.py's scores: FID of the images it drew, bits/dim of held-out images
 
 
-def sample_reference(dataset, data_dir, image_size, shapes_count, device, weights, stats_dir):
-    """Before any sampling: -> (the Inception network, the training split's statistics, what a result
-    records of them)."""
+def sample_reference(dataset, data_dir, shapes_count, image_size, device, weights, stats_dir, ref_images=0):
+    """Before any sampling: -> (the Inception network, the training split's statistics (of ref_images drawn
+    from it, if > 0), what a result records of them)."""
     extractor = fid.inception(device, weights)
-    ref = fid.reference_stats(extractor, dataset, data_dir, image_size, shapes_count, device, stats_dir)
-    cache = fid.reference_path(extractor, dataset, data_dir, image_size, shapes_count, stats_dir)
+    ref = fid.reference_stats(extractor, dataset, data_dir, image_size, shapes_count, device, stats_dir,
+                              ref_images=ref_images)
+    cache = fid.reference_path(extractor, dataset, data_dir, image_size, shapes_count, stats_dir, True,
+                               ref_images)
     record = {"dataset": dataset, "data_dir": data_dir, "split": "train", "images": int(ref["n"]),
+              "drawn": f"seed {fid.REFERENCE_SEED}" if ref_images else None,
               "image_size": image_size, "sha256": fid.stats_sha256(ref), "cache": os.path.abspath(cache)}
     return extractor, ref, record
 
@@ -423,6 +427,8 @@ def parse_args(argv):
                    help=f"a local copy of torch-fidelity's Inception weights (also ${fid.WEIGHTS_ENV}); "
                         "default: torch.hub's cache, downloaded once")
     p.add_argument("--batch", type=int, default=250, help="images per Inception call")
+    p.add_argument("--fid_ref_images", type=int, default=0,
+                   help="B = DATASET:SPLIT: this many of its images, a fixed draw (seed 0); 0 = all")
     p.add_argument("--device", default="auto")
     p.add_argument("--out", default="", help="also write the result as JSON here")
     args = p.parse_args(argv)
@@ -431,6 +437,8 @@ def parse_args(argv):
             raise UserError(f"--{name} {getattr(args, name)}: must be >= 1")
     if args.image_size < 0:
         raise UserError(f"--image_size {args.image_size}: must be >= 1 (or 0: the default)")
+    if args.fid_ref_images < 0:
+        raise UserError(f"--fid_ref_images {args.fid_ref_images}: must be >= 1 (or 0: all)")
     return args
 
 
@@ -453,9 +461,9 @@ def side_stats(op, args, extractor, image_size, device):
     -> (statistics, their record)."""
     if op[0] == "dataset":
         path = fid.reference_path(extractor, op[1], args.data_dir, image_size, args.shapes_count,
-                                  args.stats_dir, op[2] == "train")
+                                  args.stats_dir, op[2] == "train", args.fid_ref_images)
         ref = fid.reference_stats(extractor, op[1], args.data_dir, image_size, args.shapes_count, device,
-                              args.stats_dir, args.batch, train=op[2] == "train")
+                                  args.stats_dir, args.batch, op[2] == "train", args.fid_ref_images)
     else:  # cached by content: the .npz's bytes, or the folder's image names, sizes and times
         path = os.path.join(args.stats_dir, f"{op[0]}-{content_key(op)[:16]}-{image_size}px"
                             + fid.extractor_suffix(extractor))
@@ -469,8 +477,8 @@ def side_stats(op, args, extractor, image_size, device):
                    "n": np.array(len(f))}
             fid.write_stats(path, ref, args.stats_dir)
     record = {"source": describe(op), "kind": op[0], "split": op[2] if op[0] == "dataset" else None,
-              "images": int(ref["n"]), "image_size": image_size, "sha256": fid.stats_sha256(ref),
-              "cache": path}
+              "drawn": f"seed {fid.REFERENCE_SEED}" if args.fid_ref_images else None, "images": int(ref["n"]),
+              "image_size": image_size, "sha256": fid.stats_sha256(ref), "cache": path}
     return ref, record
 
 
@@ -482,6 +490,9 @@ def main(argv=None):
         a, b = operand(args.fid[0]), operand(args.fid[1])
         for op in (a, b):  # both sides, before either one's features
             check_operand(op)
+        if args.fid_ref_images and b[0] != "dataset":
+            raise UserError(f"--fid_ref_images draws from a DATASET:SPLIT reference: {args.fid[1]} is not "
+                            "one")
         image_size = default_image_size(a, b, args)
         device = group.resolve_device(args.device)
         extractor = fid.inception(device, args.inception_weights)

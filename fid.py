@@ -18,6 +18,7 @@ from errors import UserError, first_line
 
 STATS_DIR = "data/fid_stats"  # the default cache of reference statistics (a folder of its own)
 REFERENCE_KEEP = 10_000  # reference features kept for precision/recall (k-NN balls are O(n^2) in memory)
+REFERENCE_SEED = 0  # the permutation that draws a reference of fewer images than its split (reference_subset)
 
 
 WEIGHTS_ENV = "DDPM_INCEPTION_WEIGHTS"  # a local Inception weights file, for machines without internet
@@ -55,7 +56,9 @@ def inception(device, weights=None):
     except Exception as e:  # unreadable, not a torch file, or a network of other names or shapes
         raise UserError(f"{wrong} ({type(e).__name__}: {first_line(e)[:200]})") from None
     extractor.weights_sha256, extractor.weights_path = sha, os.path.abspath(path)
-    return extractor.to(device)
+    # channels-last: 1.6x the images a second on the AVX2 CPU (BENCHMARKS.md), features equal to rounding
+    cpu = torch.device(device).type == "cpu"
+    return extractor.to(device, memory_format=torch.channels_last if cpu else torch.preserve_format)
 
 
 def download_weights(url, path):
@@ -141,13 +144,27 @@ def frechet_distance(mu1, sigma1, mu2, sigma2):
         "frechet_inception_distance"]
 
 
-def reference_path(extractor, dataset, data_dir, image_size, shapes_count, cache_dir, train=True):
-    """Where a split's statistics are cached: the name changes with the data (as a beton's does) and with
-    the network (its name, and its weights' hash where it has one)."""
+def reference_path(extractor, dataset, data_dir, image_size, shapes_count, cache_dir, train=True,
+                   ref_images=0):
+    """Where a split's statistics are cached: the name changes with the data (as a beton's does), with the
+    number of its images drawn (reference_subset) and with the network (its name, and its weights' hash
+    where it has one)."""
     import data
 
     name = data.beton_name(dataset, data_dir, image_size, shapes_count, train=train)
-    return os.path.join(cache_dir, name.replace(".beton", extractor_suffix(extractor)))
+    drawn = f"-ref{ref_images}" if ref_images else ""
+    return os.path.join(cache_dir, name.replace(".beton", drawn + extractor_suffix(extractor)))
+
+
+def reference_subset(images, n, what):
+    """n of a split's images (all of them for n = 0), drawn without replacement by a fixed permutation
+    (seed 0, REFERENCE_SEED), kept in the split's order: the same n images on every machine."""
+    if n > len(images):
+        raise UserError(f"FID reference: {n} images asked of {what}, which has {len(images)}")
+    if not n:
+        return images
+    pick = torch.randperm(len(images), generator=torch.Generator().manual_seed(REFERENCE_SEED))[:n]
+    return images[pick.sort().values]
 
 
 def extractor_suffix(extractor):
@@ -179,22 +196,25 @@ def write_stats(path, ref, cache_dir):
 
 
 def reference_stats(extractor, dataset, data_dir, image_size, shapes_count, device, cache_dir, batch=250,
-                    train=True):
-    """A split's (the training set's by default) feature mean and covariance, plus up to REFERENCE_KEEP of
-    its features (precision/recall). Computed once, then read from cache_dir (reference_path)."""
+                    train=True, ref_images=0):
+    """A split's (the training set's by default; ref_images of them, drawn by reference_subset, if > 0)
+    feature mean and covariance, plus up to REFERENCE_KEEP of its features (precision/recall). Computed once,
+    then read from cache_dir (reference_path)."""
     import data
 
-    path = reference_path(extractor, dataset, data_dir, image_size, shapes_count, cache_dir, train)
+    path = reference_path(extractor, dataset, data_dir, image_size, shapes_count, cache_dir, train,
+                          ref_images)
     rank, world = group.rank_world()
     (cached,) = group.all_reduce_sum(torch.tensor(float(os.path.exists(path)), dtype=torch.float64))
     # decided together: a rank that skipped the computation would leave the others waiting
     if cached == world:
         return read_stats(path)
+    split = "train" if train else "test"
     try:
         images, _, _ = data.load_dataset(dataset, data_dir, image_size, shapes_count, train=train)
     except UserError as e:
         raise UserError(f"FID reference statistics: {e}") from None
-    split = "train" if train else "test"
+    images = reference_subset(images, ref_images, f"{dataset} {split}")
     print(f"computing FID reference statistics of {dataset} {split} ({len(images)} images) into {path}",
           flush=True)
     mine = images[rank::world]

@@ -91,9 +91,9 @@ def command(args, rank, world, device):
         return evaluate_bpd(args, model, mc, run, diffusion, device)
     args.batch = args.batch or sampling.device_batch(model, mc, device, args.n, args.guidance)
     # the Inception weights and the reference statistics first: fail before sampling
-    reference = (evaluate.sample_reference(*run_data(args, run), mc.image_size,
-                                           run_default(run, "shapes_count"), device, args.inception_weights,
-                                           args.stats_dir) if args.eval == "fid" else None)
+    reference = (evaluate.sample_reference(*run_data(args, run), mc.image_size, device,
+                                           args.inception_weights, args.stats_dir, args.fid_ref_images)
+                 if args.eval == "fid" else None)
     checkpoints = sampling.checkpoint_records(model, args.ckpt, args.ckpt_high, args.post_hoc_ema)
     plan = plan_shards(args, mc, checkpoints, rank, world)
     if reference is not None and rank == 0 and evaluate.small_n_warning(args.n):
@@ -145,13 +145,13 @@ def parse_args(argv):
     p.add_argument("--dataset", help="fid: the reference (train split), bpd: held-out data (test split); "
                                      "default: the run's own dataset")
     p.add_argument("--data_dir", help="fid, bpd: default: the run's own data_dir")
-    p.add_argument("--stats_dir", default=ddpm.TrainerConfig.fid_stats_dir,
-                   help="fid: where the reference statistics are cached")
+    p.add_argument("--stats_dir", default=ddpm.TrainerConfig.fid_stats_dir, help="fid: the statistics' cache")
+    p.add_argument("--fid_ref_images", type=int, help="fid: the reference's images, a fixed draw from the "
+                                                      "train split; 0 = all; default: the run's")
     p.add_argument("--shard_size", type=int, default=0,
                    help="images per shard (written as they are done; a rerun continues from them); default: "
                         "the shard folder's, else about 1000, a whole number of batches")
-    p.add_argument("--keep_shards", action="store_true",
-                   help="keep <out>.shards/ once the outputs are written (default: removed)")
+    p.add_argument("--keep_shards", action="store_true", help="keep <out>.shards/ once the outputs exist")
     p.add_argument("--png_dir", default="",
                    help="also write one PNG per image into this (empty or new) folder")
     p.add_argument("--inception_weights", default="",
@@ -209,7 +209,7 @@ def choose_settings(args, mc, run, world=1):
         args.steps = spec.steps if args.steps is None else args.steps
         args.eta = (spec.eta or 0.0) if args.eta is None else args.eta
     for name, field in (("sampler", "sampler"), ("steps", "sample_steps"), ("eta", "eta"),
-                        ("guidance", "guidance"), ("threshold", "threshold")):
+                        ("guidance", "guidance"), ("threshold", "threshold"), ("fid_ref_images",) * 2):
         if getattr(args, name) is None:
             setattr(args, name, run_default(run, field))
     if args.sampler not in ddpm.SAMPLERS:  # the run's own, registered where it trained but not here
@@ -220,7 +220,8 @@ def choose_settings(args, mc, run, world=1):
     top = max(mc.num_classes - 1, -1)  # --label: a class, or -1 to cycle through them
     bounds = (("n", 1, shards.MAX_IMAGES), ("batch", 0, 2**16), ("shard_size", 0, shards.MAX_IMAGES),
               ("steps", 0, mc.timesteps), ("guidance", 0, 100), ("eta", 0, 1), ("percentile", 1e-6, 1),
-              ("seed", 0, 2**63 - 1), ("strata", 0, mc.timesteps - 1), ("label", -1, top))
+              ("seed", 0, 2**63 - 1), ("strata", 0, mc.timesteps - 1), ("label", -1, top),
+              ("fid_ref_images", 0, shards.MAX_IMAGES))
     for name, lo, hi in bounds:
         if not lo <= getattr(args, name) <= hi:  # NaN fails every comparison
             classes = f" (the model has {mc.num_classes} classes; -1 cycles)" if name == "label" else ""
@@ -418,12 +419,12 @@ def check_output(out):
 
 
 def run_data(args, run):
-    """The held-out/reference data: --dataset/--data_dir, else what the checkpoint's run trained on."""
+    """-> the data to evaluate against (dataset, data_dir, shapes_count): given, else the run's own."""
     dataset, data_dir = args.dataset or run.get("dataset"), args.data_dir or run.get("data_dir")
     if not dataset:
         raise UserError(f"--eval {args.eval} needs --dataset (and --data_dir): this checkpoint does not "
                         "record its run's data")
-    return dataset, data_dir
+    return dataset, data_dir, run_default(run, "shapes_count")
 
 
 def write_json(result, out):
@@ -435,10 +436,9 @@ def write_json(result, out):
 
 def evaluate_bpd(args, model, mc, run, diffusion, device):
     """--eval bpd: bits/dim of the first --n images of the held-out split (evaluate.held_out_result)."""
-    dataset, data_dir = run_data(args, run)
-    result = evaluate.held_out_result(diffusion, model, mc, dataset, data_dir,
-                                      run_default(run, "shapes_count"), args.n, args.seed, args.batch,
-                                      args.strata, args.threshold, device)
+    dataset, data_dir, shapes_count = run_data(args, run)
+    result = evaluate.held_out_result(diffusion, model, mc, dataset, data_dir, shapes_count, args.n,
+                                      args.seed, args.batch, args.strata, args.threshold, device)
     path = write_json(result, args.out)
     extra = f", estimator s.e. {result['estimator_se']:.4f}" if args.strata else ""
     print(f"bits/dim {result['bpd']:.4f} ± {result['sem'] or 0:.4f} "

@@ -77,6 +77,40 @@ def test_reference_stats_are_cached_and_fid_of_the_data_itself_is_zero(tmp_path)
     assert other["fid"] > 100 * max(same["fid"], 1e-3) and other["precision"] < 0.5
 
 
+def test_a_reference_of_fewer_images_is_a_fixed_draw_cached_apart(tmp_path, capsys, monkeypatch):
+    """fid_ref_images: the same n images of the split on every call (seed 0, the split's order kept), cached
+    under a name of their own; more images than the split has is one line."""
+    import data
+    import evaluate
+
+    images = torch.arange(100)
+    pick = fid.reference_subset(images, 30, "x")
+    assert torch.equal(pick, fid.reference_subset(images, 30, "x")) and len(set(pick.tolist())) == 30
+    assert torch.equal(pick, pick.sort().values) and not torch.equal(pick, torch.arange(30))
+    assert torch.equal(fid.reference_subset(images, 0, "x"), images)
+    with pytest.raises(UserError, match="31 images asked of x, which has 30"):
+        fid.reference_subset(images[:30], 31, "x")
+    ext = TinyFeatures()
+    ref = fid.reference_stats(ext, "shapes", "unused", 16, 96, "cpu", str(tmp_path), ref_images=40)
+    full = fid.reference_stats(ext, "shapes", "unused", 16, 96, "cpu", str(tmp_path))
+    assert int(ref["n"]) == 40 and int(full["n"]) == 96
+    assert sorted(os.listdir(tmp_path)) == ["shapes-train-16px-n96-ref40-tiny.npz",
+                                           "shapes-train-16px-n96-tiny.npz"]
+    split, _, _ = data.load_dataset("shapes", "unused", 16, 96)
+    feats, _ = fid.features(ext, [fid.reference_subset(split, 40, "shapes train")], "cpu")
+    np.testing.assert_allclose(ref["mu"], feats.double().mean(0).numpy(), rtol=1e-6)
+    monkeypatch.setattr(fid, "inception", lambda device, weights=None: ext)
+    argv = ["--fid", "shapes:test", "shapes:train", "--shapes_count", "96", "--image_size", "16",
+            "--stats_dir", str(tmp_path), "--fid_ref_images"]
+    assert "200 images asked of shapes train, which has 96" in one_line_error(capsys, evaluate.main,
+                                                                              [*argv, "200"])
+    assert evaluate.main([*argv, "40"])["reference_stats"]["sha256"] == fid.stats_sha256(ref)
+    assert "must be >= 1 (or 0: all)" in one_line_error(capsys, evaluate.main, [*argv, "-1"])
+    np.savez(tmp_path / "b.npz", arr_0=np.zeros((4, 16, 16, 3), np.uint8))
+    assert "b.npz is not one" in one_line_error(capsys, evaluate.main, [*argv[:2], str(tmp_path / "b.npz"),
+                                                                        *argv[3:], "40"])
+
+
 def test_offline_inception_is_one_clear_line(tmp_path, monkeypatch):
     pytest.importorskip("torch_fidelity")
     monkeypatch.setattr(torch.hub, "get_dir", lambda: str(tmp_path))
@@ -104,6 +138,12 @@ def test_sample_eval_fid_writes_all_metrics(run_dir, tmp_path, monkeypatch):
     assert 0 <= result["precision"] <= 1 and 0 <= result["recall"] <= 1 and result["inception_score"] >= 1
     assert result["reference"] == "shapes train, 512 images"
     assert np.load(tmp_path / "fid" / "s.npz")["arr_0"].shape == (24, 16, 16, 3)
+    # a reference of 100 of the 512, drawn by fid.reference_subset, recorded as such
+    drawn = sample.main(["--ckpt", str(run_dir / "ema.pt"), "--eval", "fid", "--n", "24", "--batch", "12",
+                         "--steps", "3", "--stats_dir", str(tmp_path / "stats"), "--fid_ref_images", "100",
+                         "--out", str(tmp_path / "fid" / "d.png")])
+    assert drawn["reference"] == "shapes train, 100 images" and drawn["reference_stats"]["drawn"] == "seed 0"
+    assert drawn["fid"] != result["fid"]
 
 
 def test_sample_eval_fid_offline_is_one_line(run_dir, tmp_path, capsys, monkeypatch):
@@ -119,7 +159,7 @@ def test_sample_eval_fid_offline_is_one_line(run_dir, tmp_path, capsys, monkeypa
 def test_training_logs_fid_and_bpd(tmp_path, monkeypatch):
     monkeypatch.setattr(fid, "inception", lambda device, weights=None: TinyFeatures())
     tc = tiny_trainer(tmp_path / "run", max_steps=4, eval_every_steps=2, eval_fid_samples=12,
-                      eval_sample_steps=2,
+                      eval_sample_steps=2, fid_ref_images=300,
                       eval_bpd_images=6, eval_bpd_strata=2, fid_stats_dir=str(tmp_path / "stats"))
     train(tiny_model(), tc, preset="test")
     evals = read_metrics(tmp_path / "run", "fid")
@@ -134,7 +174,7 @@ def test_training_logs_fid_and_bpd(tmp_path, monkeypatch):
     assert sweep["step"] == 4 and all(sweep[k] > 0 for k in widths)
     assert sweep["fid_ema_" + str(sweep["best_ema_sigma_rel"])] == min(sweep[k] for k in widths)
     # the cached reference statistics
-    assert os.listdir(tmp_path / "stats") == ["shapes-train-16px-n512-tiny.npz"]
+    assert os.listdir(tmp_path / "stats") == ["shapes-train-16px-n512-ref300-tiny.npz"]  # 300 of the 512
 
 
 def test_training_eval_fails_before_training_when_offline(tmp_path, monkeypatch):
@@ -165,3 +205,7 @@ def test_the_real_inception_network_runs_offline_with_local_weights(tmp_path, mo
     images = torch.randint(0, 256, (3, 3, 32, 32), dtype=torch.uint8)
     feats, logits = fid.features(extractor, [images[:2], images[2:]], "cpu")
     assert feats.shape == (3, 2048) and logits.shape == (3, 1008) and torch.isfinite(feats).all()
+    # run channels-last on the CPU (faster): the features of the network as torch-fidelity lays it out
+    assert extractor.Conv2d_1a_3x3.conv.weight.is_contiguous(memory_format=torch.channels_last)
+    plain, _ = fid.features(extractor.to(memory_format=torch.contiguous_format), [images], "cpu")
+    assert torch.allclose(feats, plain, rtol=1e-4, atol=1e-5)

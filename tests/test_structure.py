@@ -157,3 +157,6 @@ def test_scripts_report_user_errors_through_the_one_path(capsys):
 
     err = one_line_error(capsys, gpu_vs_diffusers_sampling.main, ["--device", "cpu", "--base_channels", "48"])
     assert "multiple of 32" in err
+    import inception_layout
+
+    assert "--batch must lie in" in one_line_error(capsys, inception_layout.main, ["--batch", "0"])
