@@ -1,0 +1,172 @@
+"""The lever table (issue 33): ddpm.py runs that each differ from a base in one lever, at an equal budget of
+training images, scored at their last step by the same evaluation over several seeds, then one markdown
+table: mean ± s.d. over seeds, and each arm against the base, a difference counting only beyond 2 s.d.
+
+    python scripts/levers.py --data_dir DIR --kimg 150 --seeds 3 --out levers/            # the default arms
+    python scripts/levers.py --base "--dataset=shapes ..." --arm "lr1e-3=--lr=1e-3" --metric bpd ...
+
+Each run is <out>/<arm>-s<seed>/, a ddpm.py run folder. A finished run (its metrics.jsonl has the evaluation
+at the last step) is read, not run again; one with a checkpoint is continued (--resume): an interrupted
+study goes on where it stopped. Budget: --kimg thousand images for every arm, so an arm that changes
+--batch_size trains kimg * 1000 / batch steps. The wall-clock of each run is reported beside it: levers that
+change the network's cost (width, depth, patches) are compared at equal images here, and their speed is
+the other column. Writes <out>/levers.md and <out>/levers.json.
+"""
+import argparse
+import json
+import math
+import os
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import ddpm  # noqa: E402
+import files  # noqa: E402
+from errors import UserError, reported  # noqa: E402
+
+# the CPU study's base: Ho et al.'s network shape scaled to 2 CPU cores (2x2 patches, 3 levels, 6.5M
+# parameters, ~48 img/s in fp32 on the AVX2 EPYC), Ho's objective (eps, linear betas, dropout 0.1, AdamW,
+# clip 1) with batch, LR, warm-up and EMA sized for runs of a few hundred kimg (unmeasured guesses: the arms
+# measure them); FID of 1,000 samples (DPM-Solver++, 20 steps) against 10,000 training images
+BASE = ("--dataset=folder --image_size=32 --patch_size=2 --base_channels=64 --channel_mult=1,2,2 "
+        "--num_res_blocks=2 --attn_resolutions=8 --batch_size=64 --lr=5e-4 --warmup_steps=200 "
+        "--ema_decay=0.999 --loader=torch --compile=false --log_every_steps=100 --sample_every_steps=0 "
+        "--ckpt_every_steps=500 --eval_fid_samples=1000 --fid_ref_images=10000 --eval_bpd_images=0 "
+        "--ema_snapshot_kimg=0")
+ARMS = {  # one lever each, named as the table shows it
+    "base": "",
+    "lr2.5e-4": "--lr=2.5e-4",
+    "lr1e-3": "--lr=1e-3",
+    "warmup0": "--warmup_steps=0",
+    "batch32": "--batch_size=32",
+    "batch128": "--batch_size=128",
+    "dropout0": "--dropout=0",
+    "v-pred": "--prediction=v",
+    "min-snr5": "--loss_weighting=min_snr --min_snr_gamma=5",
+    "deeper": "--num_res_blocks=3",
+    "wider": "--base_channels=96",
+    "patch1-narrow": "--patch_size=1 --base_channels=32 --channel_mult=1,2,2,2 --num_res_blocks=1 "
+                     "--attn_resolutions=16",
+}
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--base", default=BASE, help="ddpm.py flags every arm shares (default: the CPU study's)")
+    p.add_argument("--data_dir", default="", help="appended to the base as --data_dir")
+    p.add_argument("--arm", action="append", default=[], metavar="NAME=FLAGS",
+                   help="an arm: its name and the ddpm.py flags it changes (repeat; 'base' = no change); "
+                        "default: " + ", ".join(ARMS))
+    p.add_argument("--kimg", type=float, required=True, help="thousand training images per run")
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--metric", choices=["fid", "bpd"], default="fid",
+                   help="the base's FID (eval_fid_samples) or held-out bits/dim (eval_bpd_images, 1000 "
+                        "unless the base says)")
+    p.add_argument("--out", required=True, help="the study's folder: one run folder per arm and seed")
+    args = p.parse_args(argv)
+    if not (1 <= args.seeds <= 100 and 0 < args.kimg <= 10**6):
+        raise UserError("--seeds must lie in [1, 100] and --kimg in (0, 1e6]")
+    arms = dict(a.partition("=")[::2] for a in args.arm) if args.arm else dict(ARMS)
+    for name in arms:
+        if not NAME.fullmatch(name):
+            raise UserError(f"--arm {name!r}: a name is letters, digits, '.', '_' or '-' (a folder name)")
+    if args.base == BASE and not args.data_dir:
+        raise UserError("give --data_dir: the image folder the study trains on (CIFAR-10's train/)")
+    if "base" not in arms:
+        arms = {"base": "", **arms}  # every arm is read against the base
+    return args, arms
+
+
+def run_argv(args, flags, seed, out_dir):
+    """-> (ddpm.py's arguments for one run, its last step): the budget in steps of the arm's batch."""
+    argv = [*shlex.split(args.base), *(["--data_dir=" + args.data_dir] if args.data_dir else []),
+            *shlex.split(flags)]
+    batch = ddpm.parse_args(argv)[1].batch_size
+    steps = max(1, round(args.kimg * 1000 / batch))
+    metric = ["--eval_bpd_images=0"] if args.metric == "fid" else ["--eval_fid_samples=0"]
+    if args.metric == "bpd" and not any(a.startswith("--eval_bpd_images=") for a in argv):
+        metric.append("--eval_bpd_images=1000")
+    argv += [*metric, f"--seed={seed}", f"--max_steps={steps}", f"--eval_every_steps={steps}",
+             f"--out_dir={out_dir}"]
+    ddpm.parse_args(argv)  # a bad flag is refused here, before any run starts
+    return argv, steps
+
+
+def finished(out_dir, steps, metric):
+    """The evaluation row at the run's last step, or None."""
+    path = os.path.join(out_dir, "metrics.jsonl")
+    if not files.is_regular(path):
+        return None
+    with files.open_regular(path, "r") as f:  # the study's own run folders, written by ddpm.py
+        rows = [json.loads(line) for line in f if line.strip()]
+    return next((r for r in rows if r.get("step") == steps and metric in r), None)
+
+
+def run(argv, out_dir, steps, metric, name):
+    """One run, continued from its checkpoint where it has one; -> its evaluation row."""
+    row = finished(out_dir, steps, metric)
+    if row is not None:
+        print(f"{name}: finished before, read from {out_dir}", flush=True)
+        return row
+    resume = ["--resume"] if os.path.exists(os.path.join(out_dir, "ckpt.pt")) else []
+    print(f"{name}: python ddpm.py {shlex.join(argv + resume)}", flush=True)
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "ddpm.py"), *argv, *resume], cwd=ROOT)
+    row = finished(out_dir, steps, metric)
+    if done.returncode != 0 or row is None:
+        raise UserError(f"the run {name} failed (status {done.returncode}): its output is above, its folder "
+                        f"{out_dir}; run the same command again to continue")
+    return row
+
+
+def summary(values):
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else math.nan)
+
+
+def table(results, metric, kimg):
+    """The markdown table: each arm's mean ± s.d., its difference from the base and whether that exceeds 2
+    s.d. (the larger of the two arms'), and its wall-clock."""
+    base_mean, base_sd = summary(results["base"]["values"])
+    lines = [f"| arm | flags | {metric} (mean ± s.d.) | seeds | against base | minutes per run |",
+             "|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        mean, sd = summary(r["values"])
+        diff, noise = mean - base_mean, 2 * max(sd, base_sd)
+        verdict = ("—" if name == "base" else f"{diff:+.2f} (one seed: no s.d.)" if math.isnan(sd + base_sd)
+                   else f"{diff:+.2f}: " + ("within 2 s.d." if abs(diff) <= noise else
+                                            "better" if diff < 0 else "worse"))
+        lines.append(f"| {name} | `{r['flags'] or '(none)'}` | {mean:.2f} ± {sd:.2f} | {len(r['values'])} | "
+                     f"{verdict} | {statistics.fmean(r['minutes']):.1f} |")
+    return f"{kimg:g} kimg per run; lower is better\n\n" + "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    with reported():
+        args, arms = parse(argv)
+        metric = args.metric
+        os.makedirs(args.out, exist_ok=True)
+        plans = {name: [run_argv(args, flags, seed, os.path.join(args.out, f"{name}-s{seed}"))
+                        for seed in range(args.seeds)] for name, flags in arms.items()}
+        results = {}
+        for name, runs in plans.items():  # every seed of an arm, then the next arm
+            rows = [run(argv, os.path.join(args.out, f"{name}-s{seed}"), steps, metric, f"{name} seed {seed}")
+                    for seed, (argv, steps) in enumerate(runs)]
+            results[name] = {"flags": arms[name], "steps": runs[0][1], "values": [r[metric] for r in rows],
+                             "minutes": [r["wall_s"] / 60 for r in rows]}
+        text = table(results, metric, args.kimg)
+        with files.created(os.path.join(args.out, "levers.md"), "w") as f:
+            f.write(text)
+        with files.created(os.path.join(args.out, "levers.json"), "w") as f:
+            json.dump({"base": args.base, "kimg": args.kimg, "metric": metric, "arms": results}, f, indent=2)
+        print(text, end="")
+        return results
+
+
+if __name__ == "__main__":
+    main()

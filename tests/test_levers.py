@@ -1,0 +1,64 @@
+"""scripts/levers.py: the lever table's runs at an equal image budget, read back when finished, refused in one
+line when an arm is bad (tiny networks on the built-in shapes, bits/dim as the metric: no Inception)."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT, TINY_ARGS, one_line_error
+
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import levers  # noqa: E402
+
+
+def base(tmp_path):
+    return " ".join([*TINY_ARGS, "--batch_size=16", "--loader=torch", "--ema_snapshot_kimg=0",
+                     "--eval_bpd_images=8", "--eval_bpd_strata=2", f"--beton_dir={tmp_path / 'betons'}",
+                     f"--fid_stats_dir={tmp_path / 'stats'}"])
+
+
+def test_arms_run_at_equal_images_and_a_finished_study_is_read_back(tmp_path, capsys, monkeypatch):
+    argv = ["--base", base(tmp_path), "--arm", "base=", "--arm", "batch8=--batch_size=8", "--kimg", "0.064",
+            "--seeds", "2", "--metric", "bpd", "--out", str(tmp_path / "study")]
+    results = levers.main(argv)
+    assert results["base"]["steps"] == 4 and results["batch8"]["steps"] == 8  # 64 images each
+    for r in results.values():
+        assert len(r["values"]) == 2 and all(0 < v < 100 for v in r["values"])
+        assert r["values"][0] != r["values"][1]  # two seeds, two runs
+    for name, seed in (("base", 0), ("base", 1), ("batch8", 0), ("batch8", 1)):
+        config = json.loads((tmp_path / "study" / f"{name}-s{seed}" / "config.json").read_text())
+        assert config["trainer"]["seed"] == seed
+    table = (tmp_path / "study" / "levers.md").read_text()
+    assert "| batch8 | `--batch_size=8` |" in table and "0.064 kimg per run" in table
+    saved = json.loads((tmp_path / "study" / "levers.json").read_text())
+    assert saved["arms"] == json.loads(json.dumps(results))
+    # run again: every run is read from its folder, none trained again
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("a finished run was run again"))
+    capsys.readouterr()
+    again = levers.main(argv)
+    assert again == results and capsys.readouterr().out.count("finished before") == 4
+
+
+def test_the_table_reads_differences_against_two_sds():
+    results = {"base": {"flags": "", "values": [10.0, 10.2, 9.8], "minutes": [1.0]},
+               "a": {"flags": "--lr=1", "values": [8.0, 8.1, 7.9], "minutes": [1.0]},
+               "b": {"flags": "--lr=2", "values": [10.1, 10.3, 9.9], "minutes": [1.0]},
+               "c": {"flags": "--lr=3", "values": [12.0], "minutes": [2.0]}}
+    rows = {line.split("|")[1].strip(): line for line in levers.table(results, "fid", 100).splitlines()
+            if line.startswith("| ") and "arm" not in line}
+    assert "-2.00: better" in rows["a"] and "within 2 s.d." in rows["b"]
+    assert "10.00 ± 0.20" in rows["base"] and "+2.00 (one seed: no s.d.)" in rows["c"]
+    assert math.isnan(levers.summary([12.0])[1])
+
+
+@pytest.mark.parametrize("arm,needle", [
+    ("x=--no_such_field=1", "no_such_field"),
+    ("../x=--lr=1e-3", "a name is letters"),
+])
+def test_a_bad_arm_is_one_line_before_any_run(tmp_path, capsys, monkeypatch, arm, needle):
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("a run started"))
+    err = one_line_error(capsys, levers.main, ["--base", base(tmp_path), "--arm", arm, "--kimg", "1",
+                                               "--metric", "bpd", "--out", str(tmp_path / "s")])
+    assert needle in err
