@@ -129,20 +129,29 @@ def summary(values):
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else math.nan)
 
 
+def format_summary(values):
+    return "{:.2f} ± {:.2f}".format(*summary(values))
+
+
+def verdict(mine, reference):
+    """A (mean, s.d.) against another, lower is better: the difference, and whether it exceeds 2 s.d. (the
+    larger of the two)."""
+    diff, noise = mine[0] - reference[0], 2 * max(mine[1], reference[1])
+    if math.isnan(mine[1] + reference[1]):
+        return f"{diff:+.2f} (one seed: no s.d.)"
+    return f"{diff:+.2f}: " + ("within 2 s.d." if abs(diff) <= noise else "better" if diff < 0 else "worse")
+
+
 def table(results, metric, kimg):
     """The markdown table: each arm's mean ± s.d., its difference from the base and whether that exceeds 2
-    s.d. (the larger of the two arms'), and its wall-clock."""
-    base_mean, base_sd = summary(results["base"]["values"])
+    s.d. (verdict), and its wall-clock."""
+    base = summary(results["base"]["values"])
     lines = [f"| arm | flags | {metric} (mean ± s.d.) | seeds | against base | minutes per run |",
              "|---|---|---|---|---|---|"]
     for name, r in results.items():
-        mean, sd = summary(r["values"])
-        diff, noise = mean - base_mean, 2 * max(sd, base_sd)
-        verdict = ("—" if name == "base" else f"{diff:+.2f} (one seed: no s.d.)" if math.isnan(sd + base_sd)
-                   else f"{diff:+.2f}: " + ("within 2 s.d." if abs(diff) <= noise else
-                                            "better" if diff < 0 else "worse"))
-        lines.append(f"| {name} | `{r['flags'] or '(none)'}` | {mean:.2f} ± {sd:.2f} | {len(r['values'])} | "
-                     f"{verdict} | {statistics.fmean(r['minutes']):.1f} |")
+        against = "—" if name == "base" else verdict(summary(r["values"]), base)
+        lines.append(f"| {name} | `{r['flags'] or '(none)'}` | {format_summary(r['values'])} | "
+                     f"{len(r['values'])} | {against} | {statistics.fmean(r['minutes']):.1f} |")
     return f"{kimg:g} kimg per run; lower is better\n\n" + "\n".join(lines) + "\n"
 
 

@@ -1,0 +1,240 @@
+"""Training, side by side: diffusers' own example script (examples/unconditional_image_generation/
+train_unconditional.py) against ddpm.py on the same network, data, batch, number of steps and learning
+rate; every model scored by the same sampler and FID protocol, over several runs per side (issue 33).
+
+    # once: the example needs accelerate and datasets, which stay outside the project's environment
+    python3 -m venv .venv-peer && .venv-peer/bin/pip install torch==2.14.1 torchvision==0.29.1 \\
+        diffusers==0.42.1 accelerate datasets tensorboard
+    curl -LO https://raw.githubusercontent.com/huggingface/diffusers/v0.42.1/examples/\\
+unconditional_image_generation/train_unconditional.py
+    .venv/bin/python scripts/vs_diffusers_train.py --data_dir DIR --peer_python .venv-peer/bin/python \\
+        --peer_script train_unconditional.py --epochs 2 --seeds 3 --out vs_diffusers/
+
+The network is ddpm.py's --network flags (default: an unpatched network of the CPU study's size, since
+UNet2DModel has no patches). Theirs is built from the config.json that `sample.py --export_diffusers` writes
+for ours, so both sides train the same function, each from its own initialisation. Per seed, in order:
+  ours       python ddpm.py --ours --network --seed S --max_steps E * ceil(N / B): the lever study's base
+             training settings (AdamW, constant LR after warm-up, EMA 0.999, dropout 0.1, flips), no grid or
+             evaluation inside the run.
+  theirs     their script with that config, --train_batch_size B, --num_epochs E, --learning_rate,
+             --lr_warmup_steps, --use_ema, --random_flip and ours' T, betas and target; the rest their
+             defaults (cosine LR decay, AdamW betas 0.95/0.999 and weight decay 1e-6, EMA ramped to 0.9999,
+             fp32, where ours uses bf16 autocast on a CPU that has it). Only its
+             sampling knobs are made cheap (--eval_batch_size 1, --ddpm_num_inference_steps 2: the grid it
+             draws after the first and last epoch). It takes no seed: its runs are independent, not seeded.
+  ours-wall  ddpm.py again, for as many steps as ours makes in theirs' wall-clock (ours' own rate in its
+             equal-steps run); that run itself when the count is the same.
+Wall-clock is each training command's, start to exit, with both data caches built first (untimed). Each
+model (ours: the run's ema.pt; theirs: the pipeline folder, EMA weights) is scored by sample.py --eval fid:
+the same sampler, steps, n, seed and reference (--fid_ref_images training images of DIR) for all. A finished
+step is read back from <out>/vs_diffusers.json, not run again. Writes <out>/vs_diffusers.md and .json.
+"""
+import argparse
+import json
+import math
+import os
+import shlex
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for path in (ROOT, os.path.join(ROOT, "scripts")):
+    if path not in sys.path:
+        sys.path.insert(0, path)
+
+import data  # noqa: E402
+import ddpm  # noqa: E402
+import files  # noqa: E402
+import levers  # noqa: E402
+from errors import UserError, reported  # noqa: E402
+
+NETWORK = ("--patch_size=1 --base_channels=32 --channel_mult=1,2,2,2 --num_res_blocks=1 "
+           "--attn_resolutions=16 --norm_groups=16")
+OURS = levers.BASE + " --eval_fid_samples=0 --num_samples=0"
+RECORD = "vs_diffusers.json"
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--data_dir", required=True, help="the image folder both sides train on")
+    p.add_argument("--peer_python", required=True, help="the python of the environment with accelerate, "
+                                                        "datasets and diffusers")
+    p.add_argument("--peer_script", required=True, help="diffusers' train_unconditional.py")
+    p.add_argument("--network", default=NETWORK, help="ddpm.py's network flags, written --network='...' "
+                                                      "(default: %(default)s)")
+    p.add_argument("--ours", default=OURS, help="ddpm.py's other flags, written --ours='...' (default: the "
+                                                "lever study's base without evaluation); --network's win")
+    p.add_argument("--epochs", type=int, required=True, help="their --num_epochs; ours trains as many steps")
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--fid_samples", type=int, default=1000)
+    p.add_argument("--sampler", default="dpm++", choices=ddpm.SAMPLERS)
+    p.add_argument("--sample_steps", type=int, default=20)
+    p.add_argument("--out", required=True, help="the comparison's folder")
+    args = p.parse_args(argv)
+    if not (1 <= args.seeds <= 100 and 1 <= args.epochs <= 10**4 and 1 <= args.fid_samples <= 10**6):
+        raise UserError("--seeds must lie in [1, 100], --epochs in [1, 1e4] and --fid_samples in [1, 1e6]")
+    for name in ("peer_python", "peer_script"):  # the user's own files: a link is the user's choice
+        if not os.path.isfile(getattr(args, name)):
+            raise UserError(f"--{name} {getattr(args, name)}: no such file")
+    argv = [*shlex.split(args.ours), *shlex.split(args.network), f"--data_dir={args.data_dir}"]
+    mc, tc = ddpm.parse_args(argv)[:2]  # bad flags are refused here, before anything runs
+    if tc.dataset != "folder" or tc.grad_accum_steps != 1:
+        raise UserError("--ours: the comparison trains on --data_dir as an image folder "
+                        "('--dataset=folder'), one batch per step")
+    # their script builds DDPMScheduler(num_train_timesteps, beta_schedule, prediction_type) from its flags
+    if (mc.prediction == "v" or mc.num_classes
+            or mc.schedule == "linear" and (mc.beta_start, mc.beta_end) != (1e-4, 0.02)):
+        raise UserError(f"the network: their script trains an unconditional eps or x model with "
+                        f"DDPMScheduler's default betas, not prediction={mc.prediction}, "
+                        f"num_classes={mc.num_classes}, betas {mc.beta_start}..{mc.beta_end}")
+    images = len(data.image_files(args.data_dir).files)
+    if images == 0:
+        raise UserError(f"--data_dir {args.data_dir}: no images")
+    return args, argv, mc, tc, args.epochs * math.ceil(images / tc.batch_size)
+
+
+class Record:
+    """<out>/vs_diffusers.json: every finished step's result, written again after each."""
+
+    def __init__(self, out, settings):
+        self.path, self.settings, self.done = os.path.join(out, RECORD), settings, {}
+        if files.is_regular(self.path):
+            with files.open_regular(self.path, "r") as f:
+                try:
+                    saved = json.load(f)
+                except ValueError as e:
+                    raise UserError(f"{self.path}: not this script's record ({e}); move it away") from None
+            if not isinstance(saved, dict) or saved.get("settings") != settings:
+                raise UserError(f"{self.path} holds a comparison with other settings: give another --out")
+            self.done = saved.get("done", {})
+
+    def step(self, name, work):
+        """work() -> a dict, unless `name` has finished before."""
+        if name in self.done:
+            print(f"{name}: finished before, read from {self.path}", flush=True)
+        else:
+            self.done[name] = work()
+            with files.created(self.path, "w") as f:
+                json.dump({"settings": self.settings, "done": self.done}, f, indent=2)
+        return self.done[name]
+
+
+def timed(cmd, name, env=None):
+    print(f"{name}: {shlex.join(cmd)}", flush=True)
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, cwd=ROOT, env=env)
+    if done.returncode != 0:
+        raise UserError(f"{name} failed (status {done.returncode}): its output is above")
+    return time.perf_counter() - t0
+
+
+def peer_env():
+    """Their process: offline (every input is local) and unbuffered."""
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def train_ours(argv, steps, out_dir, seed, name):
+    cmd = [sys.executable, os.path.join(ROOT, "ddpm.py"), *argv, f"--seed={seed}", f"--max_steps={steps}",
+           f"--out_dir={out_dir}"]
+    if os.path.exists(out_dir):  # an interrupted run: our own folder, started again from scratch
+        raise UserError(f"{out_dir} exists but did not finish: remove it and run the same command again")
+    return {"steps": steps, "wall_s": timed(cmd, name), "model": os.path.join(out_dir, "ema.pt")}
+
+
+def train_theirs(args, mc, tc, config_dir, out_dir, name):
+    with files.open_regular(os.path.join(config_dir, "scheduler_config.json"), "r") as f:
+        scheduler = json.load(f)  # written by sample.py --export_diffusers just now
+    cmd = [args.peer_python, args.peer_script, "--train_data_dir", args.data_dir,
+           "--resolution", str(mc.image_size), "--output_dir", out_dir, "--model_config_name_or_path",
+           config_dir, "--train_batch_size", str(tc.batch_size), "--num_epochs", str(args.epochs),
+           "--learning_rate", str(tc.lr), "--lr_warmup_steps", str(tc.warmup_steps), "--use_ema",
+           "--ddpm_num_steps", str(scheduler["num_train_timesteps"]), "--ddpm_beta_schedule",
+           scheduler["beta_schedule"], "--prediction_type", scheduler["prediction_type"],
+           "--eval_batch_size", "1",
+           "--ddpm_num_inference_steps", "2", "--save_images_epochs", str(10**6), "--save_model_epochs",
+           str(10**6), "--checkpointing_steps", str(10**9), *(["--random_flip"] if tc.hflip else [])]
+    return {"wall_s": timed(cmd, name, peer_env()), "model": out_dir}
+
+
+def score_argv(args, tc, model, out):
+    """sample.py's arguments that score `model`: the same sampler, steps, n, seed and reference for all."""
+    return ["--ckpt", model, "--n", str(args.fid_samples), "--sampler", args.sampler, "--steps",
+            str(args.sample_steps), "--seed", "0", "--eval", "fid", "--dataset", "folder", "--data_dir",
+            args.data_dir, "--fid_ref_images", str(tc.fid_ref_images), "--stats_dir", tc.fid_stats_dir,
+            "--out", out]
+
+
+def read_fid(out):
+    """The FID in the <out>.json that sample.py --eval fid wrote just now."""
+    with files.open_regular(os.path.splitext(out)[0] + ".json", "r") as f:
+        return json.load(f)["fid"]
+
+
+def score(args, tc, model, out, name):
+    timed([sys.executable, os.path.join(ROOT, "sample.py"), *score_argv(args, tc, model, out)], name)
+    return {"fid": read_fid(out), "n": args.fid_samples}
+
+
+def table(done, seeds, steps):
+    """Mean ± s.d. of each side's FID over the seeds at equal steps and at equal wall-clock, ours against
+    theirs read against 2 s.d. (levers.verdict)."""
+    rows = ["| comparison | side | steps | wall-clock (min) | FID (mean ± s.d.) | runs | ours against "
+            "theirs |", "|---|---|---|---|---|---|---|"]
+    theirs = [done[f"theirs-s{s}-fid"]["fid"] for s in range(seeds)]
+    for label, side in (("equal steps", "ours"), ("equal wall-clock", "ours-wall")):
+        ours = [done[f"{side}-s{s}-fid"]["fid"] for s in range(seeds)]
+        runs = [done[f"{side}-s{s}"] for s in range(seeds)]
+        diff = levers.verdict(levers.summary(ours), levers.summary(theirs))
+        rows += [f"| {label} | ours | {', '.join(sorted({str(r['steps']) for r in runs}))} | "
+                 f"{levers.summary([r['wall_s'] / 60 for r in runs])[0]:.1f} | "
+                 f"{levers.format_summary(ours)} | {seeds} | {diff} |"]
+    walls = [done[f"theirs-s{s}"]["wall_s"] / 60 for s in range(seeds)]
+    rows.append(f"| both | theirs | {steps} | {levers.summary(walls)[0]:.1f} | "
+                f"{levers.format_summary(theirs)} | {seeds} | — |")
+    return "\n".join(rows) + "\n"
+
+
+def main(argv=None):
+    with reported():
+        args, ours_argv, mc, tc, steps = parse(argv)
+        os.makedirs(args.out, exist_ok=True)
+        settings = {k: v for k, v in vars(args).items() if k != "out"} | {"steps": steps}
+        record = Record(args.out, settings)
+        at = lambda *name: os.path.join(args.out, *name)  # noqa: E731
+        record.step("caches", lambda: {
+            "ours": timed([sys.executable, os.path.join(ROOT, "ddpm.py"), *ours_argv, "--max_steps=0",
+                           f"--out_dir={at(f'cache-warmup-{time.time_ns()}')}"], "ours' decoded data cache"),
+            "theirs": timed([args.peer_python, "-c", "import datasets, sys; datasets.load_dataset("
+                             "'imagefolder', data_dir=sys.argv[1], split='train')", args.data_dir],
+                            "their datasets cache", peer_env())})
+        for s in range(args.seeds):
+            record.step(f"ours-s{s}", lambda: train_ours(ours_argv, steps, at(f"ours-s{s}"), s,
+                                                         f"ours seed {s}"))
+            if s == 0:  # their network: the config ours exports
+                record.step("network", lambda: {"s": timed(
+                    [sys.executable, os.path.join(ROOT, "sample.py"), "--ckpt", at("ours-s0", "ema.pt"),
+                     "--export_diffusers", at("network")], "our network as a diffusers folder")})
+            their = record.step(f"theirs-s{s}", lambda: train_theirs(
+                args, mc, tc, at("network"), at(f"theirs-s{s}"), f"theirs run {s}"))
+            ours = record.done[f"ours-s{s}"]
+            wall_steps = max(1, round(steps * their["wall_s"] / ours["wall_s"]))
+            record.step(f"ours-wall-s{s}", lambda: ours if wall_steps == steps else train_ours(
+                ours_argv, wall_steps, at(f"ours-wall-s{s}"), s, f"ours seed {s} in theirs' wall-clock"))
+        for s in range(args.seeds):
+            for side in ("ours", "theirs", "ours-wall"):
+                name = f"{side}-s{s}"
+                record.step(name + "-fid", lambda: score(args, tc, record.done[name]["model"],
+                                                         at("fid", f"{name}.png"), f"FID of {name}"))
+        text = (f"{args.data_dir}: {steps} steps of batch {tc.batch_size} ({args.epochs} epochs), FID of "
+                f"{args.fid_samples} samples ({args.sampler}, {args.sample_steps} steps) against "
+                f"{tc.fid_ref_images or 'all'} training images; lower is better\n\n" + table(
+                    record.done, args.seeds, steps))
+        with files.created(at("vs_diffusers.md"), "w") as f:
+            f.write(text)
+        print(text, end="")
+        return record.done
+
+
+if __name__ == "__main__":
+    main()
