@@ -107,7 +107,9 @@ class Record:
                     raise UserError(f"{self.path}: not this script's record ({e}); move it away") from None
             if not isinstance(saved, dict) or saved.get("settings") != settings:
                 raise UserError(f"{self.path} holds a comparison with other settings: give another --out")
-            self.done = saved.get("done", {})
+            self.done = saved.get("done")
+            if not isinstance(self.done, dict):
+                raise UserError(f"{self.path}: not this script's record (no 'done' table); move it away")
 
     def step(self, name, work):
         """work() -> a dict, unless `name` has finished before."""
@@ -221,11 +223,12 @@ def main(argv=None):
             wall_steps = max(1, round(steps * their["wall_s"] / ours["wall_s"]))
             record.step(f"ours-wall-s{s}", lambda: ours if wall_steps == steps else train_ours(
                 ours_argv, wall_steps, at(f"ours-wall-s{s}"), s, f"ours seed {s} in theirs' wall-clock"))
+        scores = {}  # model -> its score: ours-wall is often the equal-steps run itself, scored once
         for s in range(args.seeds):
             for side in ("ours", "theirs", "ours-wall"):
-                name = f"{side}-s{s}"
-                record.step(name + "-fid", lambda: score(args, tc, record.done[name]["model"],
-                                                         at("fid", f"{name}.png"), f"FID of {name}"))
+                name, model = f"{side}-s{s}", record.done[f"{side}-s{s}"]["model"]
+                scores[model] = record.step(name + "-fid", lambda: scores.get(model) or score(
+                    args, tc, model, at("fid", f"{name}.png"), f"FID of {name}"))
         text = (f"{args.data_dir}: {steps} steps of batch {tc.batch_size} ({args.epochs} epochs), FID of "
                 f"{args.fid_samples} samples ({args.sampler}, {args.sample_steps} steps) against "
                 f"{tc.fid_ref_images or 'all'} training images; lower is better\n\n" + table(

@@ -91,6 +91,9 @@ def test_both_sides_train_the_same_network_and_a_finished_comparison_is_read_bac
         assert done[f"ours-wall-s{s}"]["steps"] == wall
         for side in ("ours", "theirs", "ours-wall"):
             assert math.isfinite(done[f"{side}-s{s}-fid"]["fid"]) and done[f"{side}-s{s}-fid"]["n"] == 8
+        same = done[f"ours-wall-s{s}"]["model"] == done[f"ours-s{s}"]["model"]
+        assert (done[f"ours-wall-s{s}-fid"] == done[f"ours-s{s}-fid"]) == same
+        assert (out / "fid" / f"ours-wall-s{s}.json").exists() != same  # the same model is scored once
     table = (out / "vs_diffusers.md").read_text()
     assert "| equal steps | ours | 2 |" in table and "| equal wall-clock | ours |" in table
     assert "| both | theirs | 2 |" in table
