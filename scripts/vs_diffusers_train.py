@@ -25,7 +25,8 @@ for ours, so both sides train the same function, each from its own initialisatio
   ours-wall  ddpm.py again, for as many steps as ours makes in theirs' wall-clock (ours' own rate in its
              equal-steps run); that run itself when the count is the same.
 Wall-clock is each training command's, start to exit, with both data caches built first (untimed). Each
-model (ours: the run's ema.pt; theirs: the pipeline folder, EMA weights) is scored by sample.py --eval fid:
+seed's models (ours: the run's ema.pt; theirs: the pipeline folder, EMA weights) are scored before the next
+seed trains, so an interrupted study keeps its whole seeds, by sample.py --eval fid:
 the same sampler, steps, n, seed and reference (--fid_ref_images training images of DIR) for all. A finished
 step is read back from <out>/vs_diffusers.json, not run again. Writes <out>/vs_diffusers.md and .json.
 """
@@ -210,6 +211,7 @@ def main(argv=None):
             "theirs": timed([args.peer_python, "-c", "import datasets, sys; datasets.load_dataset("
                              "'imagefolder', data_dir=sys.argv[1], split='train')", args.data_dir],
                             "their datasets cache", peer_env())})
+        scores = {}  # model -> its score: ours-wall is often the equal-steps run itself, scored once
         for s in range(args.seeds):
             record.step(f"ours-s{s}", lambda: train_ours(ours_argv, steps, at(f"ours-s{s}"), s,
                                                          f"ours seed {s}"))
@@ -223,9 +225,7 @@ def main(argv=None):
             wall_steps = max(1, round(steps * their["wall_s"] / ours["wall_s"]))
             record.step(f"ours-wall-s{s}", lambda: ours if wall_steps == steps else train_ours(
                 ours_argv, wall_steps, at(f"ours-wall-s{s}"), s, f"ours seed {s} in theirs' wall-clock"))
-        scores = {}  # model -> its score: ours-wall is often the equal-steps run itself, scored once
-        for s in range(args.seeds):
-            for side in ("ours", "theirs", "ours-wall"):
+            for side in ("ours", "theirs", "ours-wall"):  # scored now: an interrupted study keeps whole seeds
                 name, model = f"{side}-s{s}", record.done[f"{side}-s{s}"]["model"]
                 scores[model] = record.step(name + "-fid", lambda: scores.get(model) or score(
                     args, tc, model, at("fid", f"{name}.png"), f"FID of {name}"))
