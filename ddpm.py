@@ -224,15 +224,17 @@ PRESETS = {
     # FFHQ-1024: their 'linear0.025' schedule, Ho's linear betas ending at 0.025
     "ffhq-p4": dict(PAPER, image_size=1024, patch_size=4, base_channels=128, channel_mult=(1, 2, 2, 4, 4, 4),
                     num_res_blocks=2, beta_end=0.025, batch_size=32),
+    # Ho et al.'s network and training on a GPU, for the targets in README.md: 100 Mimg, post-hoc EMA (on by
+    # default) swept at the end, an FID curve every 5 Mimg of 10k samples at 35 network evaluations
+    "cifar-gpu": dict(max_steps=781_250, eval_every_steps=39_063, eval_fid_samples=10_000,
+                      eval_sampler="heun", eval_sample_steps=18, sampler="heun", sample_steps=18),
     # small enough to learn the built-in shapes at 16x16 on 2 CPU cores in 1.5 (bf16) to 5 (fp32) minutes:
-    # 2x2 patches, v-prediction on the cosine schedule, class labels with guidance, a high LR and small
-    # batches
+    # 2x2 patches, v-prediction on the cosine schedule, class labels with guidance, high LR, small batches
     "demo": dict(dataset="shapes", image_size=16, patch_size=2, base_channels=64, channel_mult=(1, 2),
                  num_res_blocks=1, attn_resolutions=(4,), dropout=0.0, num_classes=4, prediction="v",
                  schedule="cosine", batch_size=32, max_steps=900, lr=2e-3, warmup_steps=100, ema_decay=0.999,
                  compile="false", log_every_steps=50, sample_every_steps=450, ckpt_every_steps=450,
-                 sampler="ddim", sample_steps=50, guidance=2.0,
-                 loader="torch"),  # in-memory shapes: no beton to write inside the 5-minute budget
+                 sampler="ddim", sample_steps=50, guidance=2.0, loader="torch"),  # in memory: no beton
 }
 
 
@@ -840,8 +842,7 @@ def iteration(b, x0, y, tc, step, shard=(0, 1)):
 
 def load_ema(path, device):
     """-> (UNet with the EMA weights, ModelConfig, the run's TrainerConfig fields or {}), from a run's ckpt.pt
-    or ema.pt, or from a diffusers model or pipeline folder (diffusers_io). Raises UserError with one clear
-    line."""
+    or ema.pt, or from a diffusers model or pipeline folder (diffusers_io); bad input raises UserError."""
     if diffusers_io.is_folder(path):
         try:
             fields, state, notes = diffusers_io.read(path)
@@ -1075,9 +1076,8 @@ def train(mc, tc, preset="custom"):
         if lead:
             checkpoints.save_checkpoints(run.out_dir, step, b.model, b.ema, mc, tc,
                                          data=data_settings(mc, tc), optimizer=b.opt.state_dict(),
-                                         loader=run.loader.state_dict(),
+                                         loader=run.loader.state_dict(), world_size=run.world,
                                          scaler=b.scaler.state_dict() if b.scaler else None,
-                                         world_size=run.world,
                                          phema=b.phema.state_dict() if b.phema else None,
                                          nonfinite_skipped=run.skipped + int(tally.skipped.item()))
 

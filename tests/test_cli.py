@@ -29,6 +29,32 @@ def test_overrides_and_presets():
             == (32, (1, 2, 4, 8), 4, 32, 3072))
 
 
+def test_the_gpu_recipe_is_ho_with_its_curve_at_35_evaluations():
+    """cifar-gpu (issue 33): Ho's network and training unchanged, 100 Mimg, an FID curve every 5 Mimg whose
+    samples and grids take 35 network evaluations each, and the post-hoc EMA sweep at the end."""
+    import dataclasses
+    import torch
+    ho_mc, ho_tc, _ = parse_args([])
+    mc, tc, _ = parse_args(["--preset=cifar-gpu"])
+    assert mc == ho_mc
+    changed = {k for k, v in dataclasses.asdict(tc).items() if getattr(ho_tc, k) != v}
+    assert changed == {"max_steps", "eval_every_steps", "eval_fid_samples", "eval_sampler",
+                       "eval_sample_steps", "sampler", "sample_steps"}
+    assert tc.max_steps * tc.batch_size == pytest.approx(100e6, rel=1e-3)
+    assert tc.eval_every_steps * tc.batch_size == pytest.approx(5e6, rel=1e-3)
+    assert tc.ema_snapshot_kimg > 0 and tc.eval_fid_samples > 0  # both: ddpm.ema_sweep runs at the end
+    calls = []
+
+    def net(z, t, y=None):
+        calls.append(1)
+        return torch.zeros_like(z)
+    d = ddpm.Diffusion(mc)
+    for sampler, steps in ((tc.eval_sampler, tc.eval_sample_steps), (tc.sampler, tc.sample_steps)):
+        calls.clear()
+        ddpm.sample(d, net, (1, 3, 4, 4), sampler=sampler, steps=steps, generator=torch.Generator())
+        assert len(calls) == 35
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--lr=abc"], "--lr=abc"),
     (["--prediction=foo"], "--prediction=foo"),
