@@ -29,6 +29,8 @@ seed's models (ours: the run's ema.pt; theirs: the pipeline folder, EMA weights)
 seed trains, so an interrupted study keeps its whole seeds, by sample.py --eval fid:
 the same sampler, steps, n, seed and reference (--fid_ref_images training images of DIR) for all. A finished
 step is read back from <out>/vs_diffusers.json, not run again. Writes <out>/vs_diffusers.md and .json.
+FID's Inception weights (--inception_weights, $DDPM_INCEPTION_WEIGHTS or torch.hub's cache) are loaded once
+before anything trains: a machine without them is told so at once.
 """
 import argparse
 import json
@@ -46,6 +48,7 @@ for path in (ROOT, os.path.join(ROOT, "scripts")):
 
 import data  # noqa: E402
 import ddpm  # noqa: E402
+import fid  # noqa: E402
 import files  # noqa: E402
 import levers  # noqa: E402
 from errors import UserError, reported  # noqa: E402
@@ -71,6 +74,8 @@ def parse(argv):
     p.add_argument("--fid_samples", type=int, default=1000)
     p.add_argument("--sampler", default="dpm++", choices=ddpm.SAMPLERS)
     p.add_argument("--sample_steps", type=int, default=20)
+    p.add_argument("--inception_weights", help="FID's Inception weights file, for sample.py (default: "
+                   "$DDPM_INCEPTION_WEIGHTS, else torch.hub's cache); found before anything trains")
     p.add_argument("--out", required=True, help="the comparison's folder")
     args = p.parse_args(argv)
     if not (1 <= args.seeds <= 100 and 1 <= args.epochs <= 10**4 and 1 <= args.fid_samples <= 10**6):
@@ -165,7 +170,7 @@ def score_argv(args, tc, model, out):
     return ["--ckpt", model, "--n", str(args.fid_samples), "--sampler", args.sampler, "--steps",
             str(args.sample_steps), "--seed", "0", "--eval", "fid", "--dataset", "folder", "--data_dir",
             args.data_dir, "--fid_ref_images", str(tc.fid_ref_images), "--stats_dir", tc.fid_stats_dir,
-            "--out", out]
+            "--out", out, *(["--inception_weights", args.inception_weights] * bool(args.inception_weights))]
 
 
 def read_fid(out):
@@ -201,8 +206,10 @@ def table(done, seeds, steps):
 def main(argv=None):
     with reported():
         args, ours_argv, mc, tc, steps = parse(argv)
+        fid.inception("cpu", args.inception_weights)  # found now, not after the first seed's hour of training
         os.makedirs(args.out, exist_ok=True)
-        settings = {k: v for k, v in vars(args).items() if k != "out"} | {"steps": steps}
+        settings = {k: v for k, v in vars(args).items() if k not in ("out", "inception_weights")}
+        settings["steps"] = steps
         record = Record(args.out, settings)
         at = lambda *name: os.path.join(args.out, *name)  # noqa: E731
         record.step("caches", lambda: {

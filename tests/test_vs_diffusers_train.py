@@ -20,6 +20,8 @@ pytest.importorskip("diffusers")
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import vs_diffusers_train as vs  # noqa: E402
 
+INCEPTION = fid.inception
+
 PEER = """import argparse, json, os
 from diffusers import DDPMPipeline, DDPMScheduler, UNet2DModel
 p = argparse.ArgumentParser()
@@ -124,3 +126,13 @@ def test_a_record_of_other_settings_is_refused(tmp_path, monkeypatch, capsys):
     (tmp_path / "vs" / vs.RECORD).write_text(json.dumps({"settings": {"epochs": 9}, "done": {}}))
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("something ran"))
     assert "other settings" in one_line_error(capsys, vs.main, argv)
+
+
+def test_missing_inception_weights_are_one_line_before_anything_trains(tmp_path, monkeypatch, capsys):
+    argv = setting(tmp_path, monkeypatch)
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("something ran"))
+    monkeypatch.delenv(fid.WEIGHTS_ENV, raising=False)
+    monkeypatch.setattr(fid, "inception", INCEPTION)  # the real one: the weights are looked for
+    assert "--inception_weights" in one_line_error(capsys, vs.main, [*argv, "--inception_weights",
+                                                                     str(tmp_path / "none.pth")])
+    assert not (tmp_path / "vs").exists()
