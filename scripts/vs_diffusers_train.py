@@ -170,7 +170,8 @@ def score_argv(args, tc, model, out):
     return ["--ckpt", model, "--n", str(args.fid_samples), "--sampler", args.sampler, "--steps",
             str(args.sample_steps), "--seed", "0", "--eval", "fid", "--dataset", "folder", "--data_dir",
             args.data_dir, "--fid_ref_images", str(tc.fid_ref_images), "--stats_dir", tc.fid_stats_dir,
-            "--out", out, *(["--inception_weights", args.inception_weights] * bool(args.inception_weights))]
+            "--out", out] + (["--inception_weights", args.inception_weights] if args.inception_weights
+                             else [])
 
 
 def read_fid(out):

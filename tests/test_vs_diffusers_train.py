@@ -131,8 +131,9 @@ def test_a_record_of_other_settings_is_refused(tmp_path, monkeypatch, capsys):
 def test_missing_inception_weights_are_one_line_before_anything_trains(tmp_path, monkeypatch, capsys):
     argv = setting(tmp_path, monkeypatch)
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("something ran"))
-    monkeypatch.delenv(fid.WEIGHTS_ENV, raising=False)
     monkeypatch.setattr(fid, "inception", INCEPTION)  # the real one: the weights are looked for
-    assert "--inception_weights" in one_line_error(capsys, vs.main, [*argv, "--inception_weights",
-                                                                     str(tmp_path / "none.pth")])
+    argv += ["--inception_weights", str(tmp_path / "none.pth")]
+    assert "--inception_weights" in one_line_error(capsys, vs.main, argv)
     assert not (tmp_path / "vs").exists()
+    args, _, _, tc, _ = vs.parse(argv)  # and a file that is there reaches every sample.py that scores
+    assert vs.score_argv(args, tc, "m", "o.png")[-2:] == ["--inception_weights", str(tmp_path / "none.pth")]
