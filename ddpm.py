@@ -138,7 +138,7 @@ class TrainerConfig:  # the run
     ema_snapshot_kimg: int = ranged(5000, 0, 10**7)     # thousand images between their snapshots in
                                                         # <run>/phema (and one at the end); 0 = off
     ema_eval_widths: tuple[float, ...] = (0.03, 0.05, 0.075, 0.1, 0.15)  # with both: the FID of each width,
-                                                        # rebuilt, at the end, and the best one
+                                                        # rebuilt, at the end, and the best; empty: none
     hflip: bool = True                                  # random horizontal flips
     precision: Literal["auto", "bf16", "fp16", "tf32", "fp32"] = "auto"  # bf16 / fp16 (+ loss scaling)
                                                         # autocast, fp32 with TF32, true fp32; auto = bf16
@@ -1033,7 +1033,7 @@ def off_the_clock(run, mc, tc, step, last_step, start_step, t_start, save_checkp
             runs.log_row(run.out_dir, row, run.trackers)
             runs.plot_curves(run.out_dir)
         say(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
-        if last_step and b.phema and tc.eval_fid_samples:
+        if last_step and b.phema and tc.eval_fid_samples and tc.ema_eval_widths:
             ema_sweep(run, tc, step, say)
 
 

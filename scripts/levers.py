@@ -5,9 +5,11 @@ table: mean ± s.d. over seeds, and each arm against the base, a difference coun
     python scripts/levers.py --data_dir DIR --kimg 150 --seeds 3 --out levers/            # the default arms
     python scripts/levers.py --base "--dataset=shapes ..." --arm "lr1e-3=--lr=1e-3" --metric bpd ...
 
-Each run is <out>/<arm>-s<seed>/, a ddpm.py run folder. A finished run (its metrics.jsonl has the evaluation
-at the last step) is read, not run again; one with a checkpoint is continued (--resume): an interrupted
-study goes on where it stopped. Budget: --kimg thousand images for every arm, so an arm that changes
+Each run is <out>/<arm>-s<seed>/, a ddpm.py run folder. Runs go seed by seed: seed 0 of every arm, then
+seed 1 of every arm, and so on, so that a study cut short still has every arm. A finished run (its
+metrics.jsonl has the evaluation at the last step) is read, not run again; one with a checkpoint is continued
+(--resume): an interrupted study goes on where it stopped, and --report writes the table of the runs
+finished so far without running any. Budget: --kimg thousand images for every arm, so an arm that changes
 --batch_size trains kimg * 1000 / batch steps. The wall-clock of each run is reported beside it: levers that
 change the network's cost (width, depth, patches) are compared at equal images here, and their speed is
 the other column. Writes <out>/levers.md and <out>/levers.json.
@@ -39,6 +41,9 @@ BASE = ("--dataset=folder --image_size=32 --patch_size=2 --base_channels=64 --ch
         "--ema_decay=0.999 --loader=torch --compile=false --log_every_steps=100 --sample_every_steps=0 "
         "--ckpt_every_steps=500 --eval_fid_samples=1000 --fid_ref_images=10000 --eval_bpd_images=0 "
         "--ema_snapshot_kimg=0")
+# the study's runs snapshot the post-hoc EMA (every 8 kimg, no sweep at the end), so that the EMA length is
+# read from the base's snapshots afterwards (sample.py --ema_length) instead of costing runs
+STUDY = BASE + " --ema_snapshot_kimg=8 --ema_eval_widths="
 ARMS = {  # one lever each, named as the table shows it
     "base": "",
     "lr2.5e-4": "--lr=2.5e-4",
@@ -52,14 +57,14 @@ ARMS = {  # one lever each, named as the table shows it
     "deeper": "--num_res_blocks=3",
     "wider": "--base_channels=96",
     "patch1-narrow": "--patch_size=1 --base_channels=32 --channel_mult=1,2,2,2 --num_res_blocks=1 "
-                     "--attn_resolutions=16",
+                     "--attn_resolutions=16 --norm_groups=16",  # the network of scripts/vs_diffusers_train.py
 }
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
 def parse(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--base", default=BASE, help="ddpm.py flags every arm shares (default: the CPU study's)")
+    p.add_argument("--base", default=STUDY, help="ddpm.py flags every arm shares (default: the CPU study's)")
     p.add_argument("--data_dir", default="", help="appended to the base as --data_dir")
     p.add_argument("--arm", action="append", default=[], metavar="NAME=FLAGS",
                    help="an arm: its name and the ddpm.py flags it changes (repeat; 'base' = no change); "
@@ -70,6 +75,8 @@ def parse(argv):
                    help="the base's FID (eval_fid_samples) or held-out bits/dim (eval_bpd_images, 1000 "
                         "unless the base says)")
     p.add_argument("--out", required=True, help="the study's folder: one run folder per arm and seed")
+    p.add_argument("--report", action="store_true",
+                   help="run nothing: the table of the runs finished so far, and the list of those to run")
     args = p.parse_args(argv)
     if not (1 <= args.seeds <= 100 and 0 < args.kimg <= 10**6):
         raise UserError("--seeds must lie in [1, 100] and --kimg in (0, 1e6]")
@@ -77,7 +84,7 @@ def parse(argv):
     for name in arms:
         if not NAME.fullmatch(name):
             raise UserError(f"--arm {name!r}: a name is letters, digits, '.', '_' or '-' (a folder name)")
-    if args.base == BASE and not args.data_dir:
+    if args.base == STUDY and not args.data_dir:
         raise UserError("give --data_dir: the image folder the study trains on (CIFAR-10's train/)")
     if "base" not in arms:
         arms = {"base": "", **arms}  # every arm is read against the base
@@ -134,12 +141,16 @@ def format_summary(values):
 
 
 def verdict(mine, reference):
-    """A (mean, s.d.) against another, lower is better: the difference, and whether it exceeds 2 s.d. (the
-    larger of the two)."""
-    diff, noise = mine[0] - reference[0], 2 * max(mine[1], reference[1])
-    if math.isnan(mine[1] + reference[1]):
-        return f"{diff:+.2f} (one seed: no s.d.)"
-    return f"{diff:+.2f}: " + ("within 2 s.d." if abs(diff) <= noise else "better" if diff < 0 else "worse")
+    """A (mean, s.d.) against the base's, lower is better: the difference, and whether it exceeds 2 s.d. (the
+    larger of the two). An arm of one seed has no s.d. of its own: it is read against the base's, on the
+    assumption that seeds scatter alike in every arm, and marked so."""
+    diff = mine[0] - reference[0]
+    if math.isnan(reference[1]):
+        return f"{diff:+.2f} (one seed of the base: no s.d.)"
+    noise, note = (2 * reference[1], " (the base's s.d.)") if math.isnan(mine[1]) else \
+        (2 * max(mine[1], reference[1]), "")
+    reading = "within 2 s.d." if abs(diff) <= noise else "better" if diff < 0 else "worse"
+    return f"{diff:+.2f}: {reading}{note}"
 
 
 def table(results, metric, kimg):
@@ -162,17 +173,30 @@ def main(argv=None):
         os.makedirs(args.out, exist_ok=True)
         plans = {name: [run_argv(args, flags, seed, os.path.join(args.out, f"{name}-s{seed}"))
                         for seed in range(args.seeds)] for name, flags in arms.items()}
-        results = {}
-        for name, runs in plans.items():  # every seed of an arm, then the next arm
-            rows = [run(argv, os.path.join(args.out, f"{name}-s{seed}"), steps, metric, f"{name} seed {seed}")
-                    for seed, (argv, steps) in enumerate(runs)]
-            results[name] = {"flags": arms[name], "steps": runs[0][1], "values": [r[metric] for r in rows],
-                             "minutes": [r["wall_s"] / 60 for r in rows]}
+        rows, missing = {name: [] for name in arms}, []
+        for seed in range(args.seeds):  # seed 0 of every arm, then seed 1 of every arm, ...
+            for name, runs in plans.items():
+                (argv, steps), out_dir = runs[seed], os.path.join(args.out, f"{name}-s{seed}")
+                row = finished(out_dir, steps, metric) if args.report else \
+                    run(argv, out_dir, steps, metric, f"{name} seed {seed}")
+                if row is None:
+                    missing.append(f"{name}-s{seed}")
+                else:
+                    rows[name].append(row)
+        if not rows["base"]:
+            raise UserError(f"no run of the base has finished in {args.out}: nothing to read arms against")
+        results = {name: {"flags": arms[name], "steps": plans[name][0][1],
+                          "values": [r[metric] for r in done], "minutes": [r["wall_s"] / 60 for r in done]}
+                   for name, done in rows.items() if done}
         text = table(results, metric, args.kimg)
+        if missing:
+            text += (f"\nNot finished yet ({len(missing)} of {len(arms) * args.seeds} runs): "
+                     f"{', '.join(missing)}\n")
         with files.created(os.path.join(args.out, "levers.md"), "w") as f:
             f.write(text)
         with files.created(os.path.join(args.out, "levers.json"), "w") as f:
-            json.dump({"base": args.base, "kimg": args.kimg, "metric": metric, "arms": results}, f, indent=2)
+            json.dump({"base": args.base, "kimg": args.kimg, "metric": metric, "arms": results,
+                       "not_finished": missing}, f, indent=2)
         print(text, end="")
         return results
 

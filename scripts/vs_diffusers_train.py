@@ -53,8 +53,7 @@ import files  # noqa: E402
 import levers  # noqa: E402
 from errors import UserError, reported  # noqa: E402
 
-NETWORK = ("--patch_size=1 --base_channels=32 --channel_mult=1,2,2,2 --num_res_blocks=1 "
-           "--attn_resolutions=16 --norm_groups=16")
+NETWORK = levers.ARMS["patch1-narrow"]  # 1.53M parameters, unpatched: one group count diffusers can hold
 OURS = levers.BASE + " --eval_fid_samples=0 --num_samples=0"
 RECORD = "vs_diffusers.json"
 

@@ -177,6 +177,18 @@ def test_training_logs_fid_and_bpd(tmp_path, monkeypatch):
     assert os.listdir(tmp_path / "stats") == ["shapes-train-16px-n512-ref300-tiny.npz"]  # 300 of the 512
 
 
+def test_no_ema_eval_widths_means_no_sweep_at_the_end(tmp_path, monkeypatch):
+    """Snapshots kept for sample.py --ema_length later (the lever study's runs), no sweep at the end."""
+    monkeypatch.setattr(fid, "inception", lambda device, weights=None: TinyFeatures())
+    tc = tiny_trainer(tmp_path / "run", max_steps=2, eval_every_steps=2, eval_fid_samples=12,
+                      eval_sample_steps=2, fid_ref_images=300, eval_bpd_images=0, ema_eval_widths=(),
+                      fid_stats_dir=str(tmp_path / "stats"))
+    assert tc.ema_snapshot_kimg
+    train(tiny_model(), tc, preset="test")
+    assert [r["step"] for r in read_metrics(tmp_path / "run", "fid")] == [2]
+    assert not read_metrics(tmp_path / "run", "best_ema_sigma_rel") and os.listdir(tmp_path / "run" / "phema")
+
+
 def test_training_eval_fails_before_training_when_offline(tmp_path, monkeypatch):
     def offline(device, weights=None):
         raise UserError("cannot download the Inception weights")

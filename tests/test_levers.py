@@ -49,8 +49,42 @@ def test_the_table_reads_differences_against_two_sds():
     rows = {line.split("|")[1].strip(): line for line in levers.table(results, "fid", 100).splitlines()
             if line.startswith("| ") and "arm" not in line}
     assert "-2.00: better" in rows["a"] and "within 2 s.d." in rows["b"]
-    assert "10.00 ± 0.20" in rows["base"] and "+2.00 (one seed: no s.d.)" in rows["c"]
+    assert "10.00 ± 0.20" in rows["base"] and "+2.00: worse (the base's s.d.)" in rows["c"]
     assert math.isnan(levers.summary([12.0])[1])
+    one = {"base": {"flags": "", "values": [10.0], "minutes": [1.0]}, **{k: results[k] for k in "ac"}}
+    assert levers.table(one, "fid", 100).count("(one seed of the base: no s.d.)") == 2
+
+
+def test_runs_go_seed_by_seed_and_report_reads_what_finished(tmp_path, capsys, monkeypatch):
+    order = []
+
+    def fake_run(argv, out_dir, steps, metric, name):
+        order.append(os.path.basename(out_dir))
+        return {"step": steps, "bpd": 3.0 + len(order) / 10, "wall_s": 60.0}
+
+    argv = ["--base", base(tmp_path), "--arm", "a=--lr=1e-3", "--arm", "b=--dropout=0", "--kimg", "0.064",
+            "--metric", "bpd", "--out", str(tmp_path / "study")]
+    monkeypatch.setattr(levers, "run", fake_run)
+    levers.main(argv + ["--seeds", "2"])
+    assert order == ["base-s0", "a-s0", "b-s0", "base-s1", "a-s1", "b-s1"]  # every arm before a second seed
+    # --report runs nothing and reads the folders: here one real run of the base, the rest missing
+    monkeypatch.undo()
+    levers.main(["--base", base(tmp_path), "--kimg", "0.064", "--seeds", "1", "--metric", "bpd",
+                 "--arm", "base=", "--out", str(tmp_path / "real")])
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("--report ran a run"))
+    capsys.readouterr()
+    results = levers.main(["--base", base(tmp_path), "--kimg", "0.064", "--seeds", "2", "--metric", "bpd",
+                           "--arm", "a=--lr=1e-3", "--out", str(tmp_path / "real"), "--report"])
+    assert list(results) == ["base"] and len(results["base"]["values"]) == 1
+    text = (tmp_path / "real" / "levers.md").read_text()
+    assert "Not finished yet (3 of 4 runs): a-s0, base-s1, a-s1" in text and text == capsys.readouterr().out
+    saved = json.loads((tmp_path / "real" / "levers.json").read_text())
+    assert saved["not_finished"] == ["a-s0", "base-s1", "a-s1"]
+    # with no finished run of the base there is nothing to read against: one line
+    err = one_line_error(capsys, levers.main, ["--base", base(tmp_path), "--kimg", "0.064", "--metric", "bpd",
+                                               "--arm", "a=--lr=1e-3", "--out", str(tmp_path / "x"),
+                                               "--report"])
+    assert "no run of the base has finished" in err
 
 
 @pytest.mark.parametrize("arm,needle", [
