@@ -137,7 +137,8 @@ def summary(values):
 
 
 def format_summary(values):
-    return "{:.2f} ± {:.2f}".format(*summary(values))
+    """mean ± s.d., or the one value where there is one seed (no s.d.)."""
+    return "{:.2f} ± {:.2f}".format(*summary(values)) if len(values) > 1 else f"{values[0]:.2f}"
 
 
 def verdict(mine, reference):
@@ -170,7 +171,8 @@ def main(argv=None):
     with reported():
         args, arms = parse(argv)
         metric = args.metric
-        os.makedirs(args.out, exist_ok=True)
+        if not args.report:
+            os.makedirs(args.out, exist_ok=True)
         plans = {name: [run_argv(args, flags, seed, os.path.join(args.out, f"{name}-s{seed}"))
                         for seed in range(args.seeds)] for name, flags in arms.items()}
         rows, missing = {name: [] for name in arms}, []
