@@ -228,6 +228,12 @@ PRESETS = {
     # default) swept at the end, an FID curve every 5 Mimg of 10k samples at 35 network evaluations
     "cifar-gpu": dict(max_steps=781_250, eval_every_steps=39_063, eval_fid_samples=10_000,
                       eval_sampler="heun", eval_sample_steps=18, sampler="heun", sample_steps=18),
+    # CIFAR-10 on 2 CPU cores, ~2 h with its FID curve: scripts/levers.py's base and its lever (README.md)
+    "cifar-cpu": dict(base_channels=32, num_res_blocks=1, norm_groups=16, batch_size=64, lr=5e-4,
+                      warmup_steps=200, ema_decay=0.999, ema_snapshot_kimg=40, ema_eval_widths=(),
+                      max_steps=6250, eval_every_steps=1563, eval_fid_samples=5000, fid_ref_images=10_000,
+                      eval_bpd_images=0, sample_every_steps=0, ckpt_every_steps=1000, sampler="dpm++",
+                      sample_steps=20, compile="false", loader="torch"),
     # small enough to learn the built-in shapes at 16x16 on 2 CPU cores in 1.5 (bf16) to 5 (fp32) minutes:
     # 2x2 patches, v-prediction on the cosine schedule, class labels with guidance, high LR, small batches
     "demo": dict(dataset="shapes", image_size=16, patch_size=2, base_channels=64, channel_mult=(1, 2),
@@ -267,8 +273,7 @@ def validate(mc, tc=None):
     check(1 <= len(mc.channel_mult) <= 16 and all(math.isfinite(m) and 0 < m <= 64 for m in mc.channel_mult),
           "channel_mult needs 1 to 16 entries, each in (0, 64]")
     levels = len(mc.channel_mult)
-    factor = mc.patch_size * 2 ** (levels - 1)
-    check(mc.image_size % factor == 0,
+    check(mc.image_size % (mc.patch_size * 2 ** (levels - 1)) == 0,
           f"image_size {mc.image_size} is not divisible by patch_size x 2^(levels-1) = "
           f"{mc.patch_size} x {2 ** (levels - 1)}")
     grid = [mc.image_size // mc.patch_size // 2**i for i in range(levels)]
@@ -279,21 +284,17 @@ def validate(mc, tc=None):
     check(all(w % max(mc.norm_groups, 1) == 0 for w in [mc.base_channels, *widths]),
           f"norm_groups {mc.norm_groups} does not divide the widths {[mc.base_channels, *widths]}")
     check(mc.attn_heads or mc.attn_head_dim, "attn_heads=0 needs attn_head_dim > 0")
-    if mc.attn_head_dim == 0:
-        check(all(w % mc.attn_heads == 0 for w in widths),
-              f"attn_heads {mc.attn_heads} does not divide the widths {widths}")
-    if mc.attn_heads == 0:
-        check(all(w % mc.attn_head_dim == 0 for w in widths),
-              f"attn_head_dim {mc.attn_head_dim} does not divide the widths {widths}")
+    for name, other in (("attn_heads", "attn_head_dim"), ("attn_head_dim", "attn_heads")):  # one of them
+        check(getattr(mc, other) or all(w % getattr(mc, name) == 0 for w in widths),    # sets the other
+              f"{name} {getattr(mc, name)} does not divide the widths {widths}")
     check(0 < mc.beta_start < mc.beta_end < 1, "need 0 < beta_start < beta_end < 1")
     if tc is None:
         return
-    check(0 <= tc.sample_steps <= mc.timesteps, f"sample_steps must lie in [0, timesteps={mc.timesteps}]")
     check(not tc.resume or tc.out_dir, "--resume needs --out_dir, the run folder to continue")
-    check(1 <= tc.eval_sample_steps <= mc.timesteps,
-          f"eval_sample_steps must lie in [1, timesteps={mc.timesteps}]")
-    check(1 <= tc.eval_bpd_strata <= mc.timesteps - 1,
-          f"eval_bpd_strata must lie in [1, timesteps-1={mc.timesteps - 1}]")
+    for name, low, high in (("sample_steps", 0, "timesteps"), ("eval_sample_steps", 1, "timesteps"),
+                            ("eval_bpd_strata", 1, "timesteps-1")):
+        top = mc.timesteps - high.endswith("-1")
+        check(low <= getattr(tc, name) <= top, f"{name} must lie in [{low}, {high}={top}]")
     check(tc.eval_fid_samples != 1, "eval_fid_samples must be 0 or >= 2 (a covariance needs two samples)")
     check(not tc.eta or any(SAMPLERS[s].eta is not None for s in (tc.sampler, tc.eval_sampler)),
           f"eta {tc.eta}: neither sampler ({tc.sampler}, eval_sampler {tc.eval_sampler}) takes an eta")
@@ -302,8 +303,7 @@ def validate(mc, tc=None):
         check(not tc.ema_snapshot_kimg or least <= len(w) <= 8 and all(0 < s < top for s in w),
               f"{name} needs {least} to 8 widths, each in (0, {top:.4f})")
     check(tc.batch_size % tc.grad_accum_steps == 0,
-          f"batch_size {tc.batch_size} does not divide into grad_accum_steps={tc.grad_accum_steps} "
-          "micro-batches")
+          f"batch_size {tc.batch_size} does not divide into grad_accum_steps={tc.grad_accum_steps} parts")
 
 
 # -----------------------------------------------------------------------------

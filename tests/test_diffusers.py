@@ -232,3 +232,26 @@ def test_sharded_safetensors_load(tmp_path):
     (tmp_path / "hub" / (diffusers_io.WEIGHTS + ".index.json")).write_text(json.dumps(index))
     model, _, _ = ddpm.load_ema(str(tmp_path / "hub"), "cpu")
     assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), model.state_dict().values()))
+
+
+@pytest.mark.parametrize("prediction,theirs", [("v", "v_prediction"), ("eps", "epsilon"), ("x", "sample")])
+def test_targets_and_the_clean_image_estimate_match_diffusers_schedulers(prediction, theirs):
+    """The training target (ε, x₀ or v = √ᾱ ε − √(1−ᾱ) x₀) against DDPMScheduler's noise / sample /
+    get_velocity, and the x̂₀ that every sampler builds on (predict_x0_eps) against DDIMScheduler's step with
+    the same network output: on Ho's linear schedule, at low, middle and high noise (their ᾱ is float32)."""
+    d = ddpm.Diffusion(ModelConfig(prediction=prediction))
+    ref = diffusers.DDPMScheduler(num_train_timesteps=1000, beta_schedule="linear", prediction_type=theirs)
+    g = torch.Generator().manual_seed(0)
+    x0, noise, out = (torch.randn(3, 3, 4, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    t = torch.tensor([0, 500, 999])
+    their_target = {"v": ref.get_velocity(x0, noise, t), "eps": noise, "x": x0}[prediction]
+    torch.testing.assert_close(d.target(x0, noise, t), their_target, rtol=1e-5, atol=1e-5)
+    z = d.q_sample(x0, t, noise)
+    torch.testing.assert_close(z, ref.add_noise(x0, noise, t), rtol=1e-5, atol=1e-5)
+    ddim = diffusers.DDIMScheduler(num_train_timesteps=1000, beta_schedule="linear", prediction_type=theirs,
+                                   clip_sample=False, set_alpha_to_one=True)
+    ddim.set_timesteps(1000)
+    for i in range(3):
+        ours, _ = d.predict_x0_eps(out[i:i + 1], z[i:i + 1], t[i:i + 1], threshold="none")
+        step = ddim.step(out[i:i + 1], int(t[i]), z[i:i + 1], eta=0.0)
+        torch.testing.assert_close(ours, step.pred_original_sample, rtol=1e-5, atol=1e-5)

@@ -97,3 +97,21 @@ def test_a_bad_arm_is_one_line_before_any_run(tmp_path, capsys, monkeypatch, arm
     err = one_line_error(capsys, levers.main, ["--base", base(tmp_path), "--arm", arm, "--kimg", "1",
                                                "--metric", "bpd", "--out", str(tmp_path / "s")])
     assert needle in err
+
+
+def test_the_cpu_recipe_is_the_study_base_with_its_winning_lever():
+    """cifar-cpu (issue 33) trains what the lever table measured: the study's base with the one arm that beat
+    it, the unpatched narrow network; only the run's length, its FID curve at n = 5000 and the grids' sampler
+    differ."""
+    import dataclasses
+    import shlex
+    import ddpm
+    mc, tc, _ = ddpm.parse_args(["--preset=cifar-cpu"])
+    study_mc, study_tc, _ = ddpm.parse_args(shlex.split(levers.BASE + " " + levers.ARMS["patch1-narrow"]))
+    assert mc == study_mc
+    changed = {k for k, v in dataclasses.asdict(tc).items() if getattr(study_tc, k) != v}
+    assert changed == {"dataset", "max_steps", "eval_every_steps", "eval_fid_samples", "ema_snapshot_kimg",
+                       "ema_eval_widths", "ckpt_every_steps", "sampler", "sample_steps"}
+    assert tc.dataset == "cifar10" and tc.eval_fid_samples == 5000 and tc.fid_ref_images == 10_000
+    assert tc.max_steps * tc.batch_size == 400_000
+    assert 3 * tc.eval_every_steps < tc.max_steps < 4 * tc.eval_every_steps  # 4 points, the last at the end
