@@ -23,7 +23,7 @@ for ours, so both sides train the same function, each from its own initialisatio
              sampling knobs are made cheap (--eval_batch_size 1, --ddpm_num_inference_steps 2: the grid it
              draws after the first and last epoch). It takes no seed: its runs are independent, not seeded.
   ours-wall  ddpm.py again, for as many steps as ours makes in theirs' wall-clock (ours' own rate in its
-             equal-steps run); that run itself when the count is the same.
+             equal-steps run); that run itself when the count is the same; not with --no-equal_wall.
 Wall-clock is each training command's, start to exit, with both data caches built first (untimed). Each
 seed's models (ours: the run's ema.pt; theirs: the pipeline folder, EMA weights) are scored before the next
 seed trains, so an interrupted study keeps its whole seeds, by sample.py --eval fid:
@@ -70,6 +70,9 @@ def parse(argv):
                                                 "lever study's base without evaluation); --network's win")
     p.add_argument("--epochs", type=int, required=True, help="their --num_epochs; ours trains as many steps")
     p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--equal_wall", action=argparse.BooleanOptionalAction, default=True,
+                   help="also train ours for theirs' wall-clock (--no-equal_wall: equal steps only, for runs "
+                        "so long that a third one per seed does not fit)")
     p.add_argument("--fid_samples", type=int, default=1000)
     p.add_argument("--sampler", default="dpm++", choices=ddpm.SAMPLERS)
     p.add_argument("--sample_steps", type=int, default=20)
@@ -184,13 +187,17 @@ def score(args, tc, model, out, name):
     return {"fid": read_fid(out), "n": args.fid_samples}
 
 
-def table(done, seeds, steps):
+def sides(args):
+    return ("ours", "theirs", "ours-wall") if args.equal_wall else ("ours", "theirs")
+
+
+def table(done, seeds, steps, equal_wall):
     """Mean ± s.d. of each side's FID over the seeds at equal steps and at equal wall-clock, ours against
     theirs read against 2 s.d. (levers.verdict)."""
     rows = ["| comparison | side | steps | wall-clock (min) | FID (mean ± s.d.) | runs | ours against "
             "theirs |", "|---|---|---|---|---|---|---|"]
     theirs = [done[f"theirs-s{s}-fid"]["fid"] for s in range(seeds)]
-    for label, side in (("equal steps", "ours"), ("equal wall-clock", "ours-wall")):
+    for label, side in (("equal steps", "ours"), ("equal wall-clock", "ours-wall"))[:1 + equal_wall]:
         ours = [done[f"{side}-s{s}-fid"]["fid"] for s in range(seeds)]
         runs = [done[f"{side}-s{s}"] for s in range(seeds)]
         diff = levers.verdict(levers.summary(ours), levers.summary(theirs))
@@ -230,16 +237,17 @@ def main(argv=None):
                 args, mc, tc, at("network"), at(f"theirs-s{s}"), f"theirs run {s}"))
             ours = record.done[f"ours-s{s}"]
             wall_steps = max(1, round(steps * their["wall_s"] / ours["wall_s"]))
-            record.step(f"ours-wall-s{s}", lambda: ours if wall_steps == steps else train_ours(
-                ours_argv, wall_steps, at(f"ours-wall-s{s}"), s, f"ours seed {s} in theirs' wall-clock"))
-            for side in ("ours", "theirs", "ours-wall"):  # scored now: an interrupted study keeps whole seeds
+            if args.equal_wall:
+                record.step(f"ours-wall-s{s}", lambda: ours if wall_steps == steps else train_ours(
+                    ours_argv, wall_steps, at(f"ours-wall-s{s}"), s, f"ours seed {s} in theirs' wall-clock"))
+            for side in sides(args):  # scored now: an interrupted study keeps whole seeds
                 name, model = f"{side}-s{s}", record.done[f"{side}-s{s}"]["model"]
                 scores[model] = record.step(name + "-fid", lambda: scores.get(model) or score(
                     args, tc, model, at("fid", f"{name}.png"), f"FID of {name}"))
         text = (f"{args.data_dir}: {steps} steps of batch {tc.batch_size} ({args.epochs} epochs), FID of "
                 f"{args.fid_samples} samples ({args.sampler}, {args.sample_steps} steps) against "
                 f"{tc.fid_ref_images or 'all'} training images; lower is better\n\n" + table(
-                    record.done, args.seeds, steps))
+                    record.done, args.seeds, steps, args.equal_wall))
         with files.created(at("vs_diffusers.md"), "w") as f:
             f.write(text)
         print(text, end="")

@@ -106,6 +106,15 @@ def test_both_sides_train_the_same_network_and_a_finished_comparison_is_read_bac
     assert vs.main(argv) == done and capsys.readouterr().out.count("finished before") == len(done)
 
 
+def test_without_equal_wall_clock_each_seed_trains_and_scores_two_models(tmp_path, monkeypatch):
+    argv = setting(tmp_path, monkeypatch) + ["--no-equal_wall"]
+    argv[argv.index("--seeds") + 1] = "1"
+    done = vs.main(argv)
+    assert sorted(done) == ["caches", "network", "ours-s0", "ours-s0-fid", "theirs-s0", "theirs-s0-fid"]
+    table = (tmp_path / "vs" / "vs_diffusers.md").read_text()
+    assert "| equal steps | ours | 2 |" in table and "equal wall-clock" not in table
+
+
 @pytest.mark.parametrize("change,needle", [
     (("--network", NETWORK + " --prediction=v"), "not prediction=v"),
     (("--peer_script", "/no/such/train_unconditional.py"), "no such file"),
