@@ -187,8 +187,9 @@ def score(args, tc, model, out, name):
     return {"fid": read_fid(out), "n": args.fid_samples}
 
 
-def sides(args):
-    return ("ours", "theirs", "ours-wall") if args.equal_wall else ("ours", "theirs")
+def comparisons(equal_wall):
+    """(label, ours' side) of each comparison the study makes; theirs is the same run in both."""
+    return (("equal steps", "ours"), ("equal wall-clock", "ours-wall"))[:1 + equal_wall]
 
 
 def table(done, seeds, steps, equal_wall):
@@ -197,7 +198,7 @@ def table(done, seeds, steps, equal_wall):
     rows = ["| comparison | side | steps | wall-clock (min) | FID (mean ± s.d.) | runs | ours against "
             "theirs |", "|---|---|---|---|---|---|---|"]
     theirs = [done[f"theirs-s{s}-fid"]["fid"] for s in range(seeds)]
-    for label, side in (("equal steps", "ours"), ("equal wall-clock", "ours-wall"))[:1 + equal_wall]:
+    for label, side in comparisons(equal_wall):
         ours = [done[f"{side}-s{s}-fid"]["fid"] for s in range(seeds)]
         runs = [done[f"{side}-s{s}"] for s in range(seeds)]
         diff = levers.verdict(levers.summary(ours), levers.summary(theirs))
@@ -236,11 +237,12 @@ def main(argv=None):
             their = record.step(f"theirs-s{s}", lambda: train_theirs(
                 args, mc, tc, at("network"), at(f"theirs-s{s}"), f"theirs run {s}"))
             ours = record.done[f"ours-s{s}"]
-            wall_steps = max(1, round(steps * their["wall_s"] / ours["wall_s"]))
             if args.equal_wall:
+                wall_steps = max(1, round(steps * their["wall_s"] / ours["wall_s"]))
                 record.step(f"ours-wall-s{s}", lambda: ours if wall_steps == steps else train_ours(
                     ours_argv, wall_steps, at(f"ours-wall-s{s}"), s, f"ours seed {s} in theirs' wall-clock"))
-            for side in sides(args):  # scored now: an interrupted study keeps whole seeds
+            for side in ("ours", "theirs", "ours-wall")[:2 + args.equal_wall]:  # scored now: an interrupted
+                # study keeps whole seeds
                 name, model = f"{side}-s{s}", record.done[f"{side}-s{s}"]["model"]
                 scores[model] = record.step(name + "-fid", lambda: scores.get(model) or score(
                     args, tc, model, at("fid", f"{name}.png"), f"FID of {name}"))
