@@ -28,7 +28,8 @@ Wall-clock is each training command's, start to exit, with both data caches buil
 seed's models (ours: the run's ema.pt; theirs: the pipeline folder, EMA weights) are scored before the next
 seed trains, so an interrupted study keeps its whole seeds, by sample.py --eval fid:
 the same sampler, steps, n, seed and reference (--fid_ref_images training images of DIR) for all. A finished
-step is read back from <out>/vs_diffusers.json, not run again. Writes <out>/vs_diffusers.md and .json.
+step is read back from <out>/vs_diffusers.json, not run again: the same command with a larger --seeds
+trains only the new seeds. Writes <out>/vs_diffusers.md and .json.
 FID's Inception weights (--inception_weights, $DDPM_INCEPTION_WEIGHTS or torch.hub's cache) are loaded once
 before anything trains: a machine without them is told so at once.
 """
@@ -216,7 +217,8 @@ def main(argv=None):
         args, ours_argv, mc, tc, steps = parse(argv)
         fid.inception("cpu", args.inception_weights)  # found now, not after the first seed's hour of training
         os.makedirs(args.out, exist_ok=True)
-        settings = {k: v for k, v in vars(args).items() if k not in ("out", "inception_weights")}
+        settings = {k: v for k, v in vars(args).items()  # not --seeds: a study extends to more seeds
+                    if k not in ("out", "inception_weights", "seeds")}
         settings["steps"] = steps
         record = Record(args.out, settings)
         at = lambda *name: os.path.join(args.out, *name)  # noqa: E731

@@ -113,6 +113,12 @@ def test_without_equal_wall_clock_each_seed_trains_and_scores_two_models(tmp_pat
     assert sorted(done) == ["caches", "network", "ours-s0", "ours-s0-fid", "theirs-s0", "theirs-s0-fid"]
     table = (tmp_path / "vs" / "vs_diffusers.md").read_text()
     assert "| equal steps | ours | 2 |" in table and "equal wall-clock" not in table
+    # a second seed: the same command with --seeds 2 trains and scores seed 1 only
+    argv[argv.index("--seeds") + 1] = "2"
+    again = vs.main(argv)
+    assert {k: again[k] for k in done} == done and sorted(set(again) - set(done)) == [
+        "ours-s1", "ours-s1-fid", "theirs-s1", "theirs-s1-fid"]
+    assert "| 2 |" in (tmp_path / "vs" / "vs_diffusers.md").read_text()
 
 
 @pytest.mark.parametrize("change,needle", [
