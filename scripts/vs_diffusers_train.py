@@ -243,8 +243,8 @@ def main(argv=None):
                 wall_steps = max(1, round(steps * their["wall_s"] / ours["wall_s"]))
                 record.step(f"ours-wall-s{s}", lambda: ours if wall_steps == steps else train_ours(
                     ours_argv, wall_steps, at(f"ours-wall-s{s}"), s, f"ours seed {s} in theirs' wall-clock"))
-            for side in ("ours", "theirs", "ours-wall")[:2 + args.equal_wall]:  # scored now: an interrupted
-                # study keeps whole seeds
+            # scored now, so that an interrupted study keeps whole seeds
+            for side in ("ours", "theirs", "ours-wall")[:2 + args.equal_wall]:
                 name, model = f"{side}-s{s}", record.done[f"{side}-s{s}"]["model"]
                 scores[model] = record.step(name + "-fid", lambda: scores.get(model) or score(
                     args, tc, model, at("fid", f"{name}.png"), f"FID of {name}"))
