@@ -12,7 +12,8 @@ metrics.jsonl has the evaluation at the last step) is read, not run again; one w
 finished so far without running any. Budget: --kimg thousand images for every arm, so an arm that changes
 --batch_size trains kimg * 1000 / batch steps. The wall-clock of each run is reported beside it: levers that
 change the network's cost (width, depth, patches) are compared at equal images here, and their speed is
-the other column. Writes <out>/levers.md and <out>/levers.json.
+the other column (minutes to the end of the run, its evaluation included). Writes <out>/levers.md and
+<out>/levers.json.
 """
 import argparse
 import json
@@ -132,6 +133,12 @@ def run(argv, out_dir, steps, metric, name):
     return row
 
 
+def minutes(row):
+    """A run's wall-clock to the end of its last evaluation: the row's wall_s stops where that evaluation
+    starts, and its eval_s is the evaluation's own time."""
+    return (row["wall_s"] + row.get("eval_s", 0.0)) / 60
+
+
 def summary(values):
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else math.nan)
 
@@ -188,7 +195,7 @@ def main(argv=None):
         if not rows["base"]:
             raise UserError(f"no run of the base has finished in {args.out}: nothing to read arms against")
         results = {name: {"flags": arms[name], "steps": plans[name][0][1],
-                          "values": [r[metric] for r in done], "minutes": [r["wall_s"] / 60 for r in done]}
+                          "values": [r[metric] for r in done], "minutes": [minutes(r) for r in done]}
                    for name, done in rows.items() if done}
         text = table(results, metric, args.kimg)
         if missing:

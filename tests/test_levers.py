@@ -61,13 +61,15 @@ def test_runs_go_seed_by_seed_and_report_reads_what_finished(tmp_path, capsys, m
 
     def fake_run(argv, out_dir, steps, metric, name):
         order.append(os.path.basename(out_dir))
-        return {"step": steps, "bpd": 3.0 + len(order) / 10, "wall_s": 60.0}
+        return {"step": steps, "bpd": 3.0 + len(order) / 10, "wall_s": 60.0, "eval_s": 30.0}
 
     argv = ["--base", base(tmp_path), "--arm", "a=--lr=1e-3", "--arm", "b=--dropout=0", "--kimg", "0.064",
             "--metric", "bpd", "--out", str(tmp_path / "study")]
     monkeypatch.setattr(levers, "run", fake_run)
     levers.main(argv + ["--seeds", "2"])
     assert order == ["base-s0", "a-s0", "b-s0", "base-s1", "a-s1", "b-s1"]  # every arm before a second seed
+    study = json.loads((tmp_path / "study" / "levers.json").read_text())
+    assert study["arms"]["a"]["minutes"] == [1.5, 1.5]  # the run's minutes include its evaluation
     # --report runs nothing and reads the folders: here one real run of the base, the rest missing
     monkeypatch.undo()
     levers.main(["--base", base(tmp_path), "--kimg", "0.064", "--seeds", "1", "--metric", "bpd",
