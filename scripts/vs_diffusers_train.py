@@ -22,8 +22,11 @@ for ours, so both sides train the same function, each from its own initialisatio
              fp32, where ours uses bf16 autocast on a CPU that has it). Only its
              sampling knobs are made cheap (--eval_batch_size 1, --ddpm_num_inference_steps 2: the grid it
              draws after the first and last epoch). It takes no seed: its runs are independent, not seeded.
-  ours-wall  ddpm.py again, for as many steps as ours makes in theirs' wall-clock (ours' own rate in its
-             equal-steps run); that run itself when the count is the same; not with --no-equal_wall.
+  ours-wall  ours for as many steps as it makes in theirs' wall-clock (ours' own rate in its equal-steps
+             run): that run itself when the count is the same; when it is larger and the LR is constant
+             after warm-up (nothing in a run then depends on its length), that run continued with --resume
+             in a copy of its folder, its wall-clock both parts' (resume is bitwise a straight run); else
+             a run from scratch. Not with --no-equal_wall; a study run without it gains it later.
 Wall-clock is each training command's, start to exit, with both data caches built first (untimed). Each
 seed's models (ours: the run's ema.pt; theirs: the pipeline folder, EMA weights) are scored before the next
 seed trains, so an interrupted study keeps its whole seeds, by sample.py --eval fid:
@@ -34,10 +37,12 @@ FID's Inception weights (--inception_weights, $DDPM_INCEPTION_WEIGHTS or torch.h
 before anything trains: a machine without them is told so at once.
 """
 import argparse
+import functools
 import json
 import math
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -153,6 +158,18 @@ def train_ours(argv, steps, out_dir, seed, name):
     return {"steps": steps, "wall_s": timed(cmd, name), "model": os.path.join(out_dir, "ema.pt")}
 
 
+def continue_ours(argv, ours, steps, out_dir, seed, name):
+    """Ours' finished run `ours` trained on to `steps` in a copy of its folder; the wall-clock is both parts'.
+    Only for a constant LR after warm-up, where a run's weights do not depend on its --max_steps."""
+    if os.path.exists(out_dir):
+        raise UserError(f"{out_dir} exists but did not finish: remove it and run the same command again")
+    shutil.copytree(os.path.dirname(ours["model"]), out_dir, symlinks=True)  # our own folder: no links
+    cmd = [sys.executable, os.path.join(ROOT, "ddpm.py"), *argv, f"--seed={seed}", f"--max_steps={steps}",
+           f"--out_dir={out_dir}", "--resume"]
+    return {"steps": steps, "wall_s": ours["wall_s"] + timed(cmd, name),
+            "model": os.path.join(out_dir, "ema.pt"), "continued": ours["model"]}
+
+
 def train_theirs(args, mc, tc, config_dir, out_dir, name):
     with files.open_regular(os.path.join(config_dir, "scheduler_config.json"), "r") as f:
         scheduler = json.load(f)  # written by sample.py --export_diffusers just now
@@ -217,8 +234,8 @@ def main(argv=None):
         args, ours_argv, mc, tc, steps = parse(argv)
         fid.inception("cpu", args.inception_weights)  # found now, not after the first seed's hour of training
         os.makedirs(args.out, exist_ok=True)
-        settings = {k: v for k, v in vars(args).items()  # not --seeds: a study extends to more seeds
-                    if k not in ("out", "inception_weights", "seeds")}
+        settings = {k: v for k, v in vars(args).items()  # a study may gain seeds or equal wall-clock
+                    if k not in ("out", "inception_weights", "seeds", "equal_wall")}
         settings["steps"] = steps
         record = Record(args.out, settings)
         at = lambda *name: os.path.join(args.out, *name)  # noqa: E731
@@ -241,8 +258,11 @@ def main(argv=None):
             ours = record.done[f"ours-s{s}"]
             if args.equal_wall:
                 wall_steps = max(1, round(steps * their["wall_s"] / ours["wall_s"]))
-                record.step(f"ours-wall-s{s}", lambda: ours if wall_steps == steps else train_ours(
-                    ours_argv, wall_steps, at(f"ours-wall-s{s}"), s, f"ours seed {s} in theirs' wall-clock"))
+                how = (train_ours if wall_steps < steps or tc.lr_schedule != "constant"
+                       else functools.partial(continue_ours, ours=ours))
+                record.step(f"ours-wall-s{s}", lambda: ours if wall_steps == steps else how(
+                    ours_argv, steps=wall_steps, out_dir=at(f"ours-wall-s{s}"), seed=s,
+                    name=f"ours seed {s} in theirs' wall-clock"))
             # scored now, so that an interrupted study keeps whole seeds
             for side in ("ours", "theirs", "ours-wall")[:2 + args.equal_wall]:
                 name, model = f"{side}-s{s}", record.done[f"{side}-s{s}"]["model"]

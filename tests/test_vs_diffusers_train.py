@@ -9,6 +9,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 from conftest import ROOT, one_line_error
 from PIL import Image
 from test_fid import TinyFeatures
@@ -119,6 +120,27 @@ def test_without_equal_wall_clock_each_seed_trains_and_scores_two_models(tmp_pat
     assert {k: again[k] for k in done} == done and sorted(set(again) - set(done)) == [
         "ours-s1", "ours-s1-fid", "theirs-s1", "theirs-s1-fid"]
     assert "| 2 |" in (tmp_path / "vs" / "vs_diffusers.md").read_text()
+
+
+def test_equal_wall_clock_added_later_continues_the_equal_steps_run_as_a_straight_run(tmp_path, monkeypatch):
+    argv = setting(tmp_path, monkeypatch)
+    argv[argv.index("--seeds") + 1] = "1"
+    vs.main(argv + ["--no-equal_wall"])
+    record = tmp_path / "vs" / vs.RECORD
+    saved = json.loads(record.read_text())  # their run took 3x ours' time: ours makes 6 steps in it
+    saved["done"]["theirs-s0"]["wall_s"] = 3 * saved["done"]["ours-s0"]["wall_s"]
+    record.write_text(json.dumps(saved))
+    done = vs.main(argv)  # the same study, now with equal wall-clock
+    wall, ours = done["ours-wall-s0"], done["ours-s0"]
+    assert wall["steps"] == 6 and wall["continued"] == ours["model"] and wall["wall_s"] > ours["wall_s"]
+    args, ours_argv = vs.parse(argv)[:2]
+    straight = vs.train_ours(ours_argv, 6, str(tmp_path / "straight"), 0, "a straight run of 6 steps")
+    a, b = (torch.load(os.path.join(os.path.dirname(r["model"]), "ckpt.pt"), weights_only=True)
+            for r in (straight, wall))
+    assert a["step"] == b["step"] == 6
+    for part in ("model", "ema"):
+        assert all(torch.equal(a[part][k], b[part][k]) for k in a[part]), part
+    assert "| equal wall-clock | ours | 6 |" in (tmp_path / "vs" / "vs_diffusers.md").read_text()
 
 
 @pytest.mark.parametrize("change,needle", [
