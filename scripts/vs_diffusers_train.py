@@ -37,7 +37,6 @@ FID's Inception weights (--inception_weights, $DDPM_INCEPTION_WEIGHTS or torch.h
 before anything trains: a machine without them is told so at once.
 """
 import argparse
-import functools
 import json
 import math
 import os
@@ -150,24 +149,20 @@ def peer_env():
     return {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def train_ours(argv, steps, out_dir, seed, name):
-    cmd = [sys.executable, os.path.join(ROOT, "ddpm.py"), *argv, f"--seed={seed}", f"--max_steps={steps}",
-           f"--out_dir={out_dir}"]
+def train_ours(argv, steps, out_dir, seed, name, continued=None):
+    """ddpm.py for `steps` in out_dir; with `continued` (a finished run of ours, constant LR after warm-up:
+    its weights do not depend on its --max_steps) that run trained on in a copy of its folder, the
+    wall-clock both parts'."""
     if os.path.exists(out_dir):  # an interrupted run: our own folder, started again from scratch
         raise UserError(f"{out_dir} exists but did not finish: remove it and run the same command again")
-    return {"steps": steps, "wall_s": timed(cmd, name), "model": os.path.join(out_dir, "ema.pt")}
-
-
-def continue_ours(argv, ours, steps, out_dir, seed, name):
-    """Ours' finished run `ours` trained on to `steps` in a copy of its folder; the wall-clock is both parts'.
-    Only for a constant LR after warm-up, where a run's weights do not depend on its --max_steps."""
-    if os.path.exists(out_dir):
-        raise UserError(f"{out_dir} exists but did not finish: remove it and run the same command again")
-    shutil.copytree(os.path.dirname(ours["model"]), out_dir, symlinks=True)  # our own folder: no links
+    if continued:
+        shutil.copytree(os.path.dirname(continued["model"]), out_dir, symlinks=True)  # ours: no links
     cmd = [sys.executable, os.path.join(ROOT, "ddpm.py"), *argv, f"--seed={seed}", f"--max_steps={steps}",
-           f"--out_dir={out_dir}", "--resume"]
-    return {"steps": steps, "wall_s": ours["wall_s"] + timed(cmd, name),
-            "model": os.path.join(out_dir, "ema.pt"), "continued": ours["model"]}
+           f"--out_dir={out_dir}", *(["--resume"] if continued else [])]
+    row = {"steps": steps, "wall_s": timed(cmd, name), "model": os.path.join(out_dir, "ema.pt")}
+    if continued:
+        row.update(wall_s=continued["wall_s"] + row["wall_s"], continued=continued["model"])
+    return row
 
 
 def train_theirs(args, mc, tc, config_dir, out_dir, name):
@@ -258,11 +253,10 @@ def main(argv=None):
             ours = record.done[f"ours-s{s}"]
             if args.equal_wall:
                 wall_steps = max(1, round(steps * their["wall_s"] / ours["wall_s"]))
-                how = (train_ours if wall_steps < steps or tc.lr_schedule != "constant"
-                       else functools.partial(continue_ours, ours=ours))
-                record.step(f"ours-wall-s{s}", lambda: ours if wall_steps == steps else how(
-                    ours_argv, steps=wall_steps, out_dir=at(f"ours-wall-s{s}"), seed=s,
-                    name=f"ours seed {s} in theirs' wall-clock"))
+                go_on = wall_steps > steps and tc.lr_schedule == "constant"
+                record.step(f"ours-wall-s{s}", lambda: ours if wall_steps == steps else train_ours(
+                    ours_argv, wall_steps, at(f"ours-wall-s{s}"), s, f"ours seed {s} in theirs' wall-clock",
+                    continued=ours if go_on else None))
             # scored now, so that an interrupted study keeps whole seeds
             for side in ("ours", "theirs", "ours-wall")[:2 + args.equal_wall]:
                 name, model = f"{side}-s{s}", record.done[f"{side}-s{s}"]["model"]

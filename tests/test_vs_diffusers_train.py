@@ -133,7 +133,7 @@ def test_equal_wall_clock_added_later_continues_the_equal_steps_run_as_a_straigh
     done = vs.main(argv)  # the same study, now with equal wall-clock
     wall, ours = done["ours-wall-s0"], done["ours-s0"]
     assert wall["steps"] == 6 and wall["continued"] == ours["model"] and wall["wall_s"] > ours["wall_s"]
-    args, ours_argv = vs.parse(argv)[:2]
+    ours_argv = vs.parse(argv)[1]
     straight = vs.train_ours(ours_argv, 6, str(tmp_path / "straight"), 0, "a straight run of 6 steps")
     a, b = (torch.load(os.path.join(os.path.dirname(r["model"]), "ckpt.pt"), weights_only=True)
             for r in (straight, wall))
