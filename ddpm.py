@@ -76,20 +76,34 @@ class ModelConfig:  # the network and the diffusion process
     dropout: float = ranged(0.1, 0, 1)                  # dropout in the residual blocks
     norm_groups: int = ranged(0, 0, 1024)               # GroupNorm groups in every layer (diffusers'
                                                         # norm_num_groups); 0 = per width: 32, fewer below 64
+    scale_shift_norm: bool = False                      # the time embedding scales and shifts the residual
+                                                        # block's second norm (Dhariwal & Nichol 2021, ADM);
+                                                        # off: it is added before that norm (Ho et al.)
 
     num_classes: int = ranged(0, 0, 10**6)              # class-conditional with this many classes; 0 =
                                                         # unconditional
     p_uncond: float = ranged(0.1, 0, 1)                 # probability of dropping the label in training (for
                                                         # guidance)
-    prediction: Literal["eps", "x", "v"] = "eps"        # network output: noise eps, clean image x, or v =
-                                                        # sqrt(ab)eps - sqrt(1-ab)x
+    prediction: Literal["eps", "x", "v", "edm"] = "eps"  # network output: noise eps, clean image x, v =
+                                                        # sqrt(ab)eps - sqrt(1-ab)x, or F of Karras et al.
+                                                        # 2022's preconditioning (edm: Diffusion.net_input)
+    sigma_data: float = ranged(0.5, 1e-3, 100)          # sigma_data of the edm prediction and weighting
+                                                        # (Karras et al. 2022 Table 1: 0.5 for images in
+                                                        # [-1, 1])
+    t_sampling: Literal["uniform", "lognormal"] = "uniform"  # training timesteps: t ~ U{0..T-1} (Ho et al.),
+                                                        # or ln sigma_t ~ N(p_mean, p_std^2) (Karras et al.
+                                                        # 2022 Table 1), sigma_t = sqrt((1-ab)/ab)
+    p_mean: float = ranged(-1.2, -20, 20)               # P_mean of the lognormal timesteps (Karras et al.
+                                                        # 2022: -1.2)
+    p_std: float = ranged(1.2, 0.01, 20)                # P_std of the lognormal timesteps (Karras et al.
+                                                        # 2022: 1.2)
     schedule: Literal["linear", "cosine"] = "linear"    # beta_t schedule: Ho et al. linear, or Nichol &
                                                         # Dhariwal cosine
     timesteps: int = ranged(1000, 2, 10**5)             # T, number of diffusion steps
     beta_start: float = ranged(1e-4, 0, 1)              # beta_1 of the linear schedule
     beta_end: float = ranged(0.02, 0, 1)                # beta_T of the linear schedule
-    loss_weighting: Literal["none", "sqrt_snr", "min_snr"] = "none"  # none = MSE on the target; sqrt_snr /
-                                                        # min_snr: see Diffusion._loss_weight
+    loss_weighting: Literal["none", "sqrt_snr", "min_snr", "edm"] = "none"  # none = MSE on the target;
+                                                        # sqrt_snr / min_snr / edm: Diffusion._loss_weight
     min_snr_gamma: float = ranged(5.0, 1e-12, 1e4)      # gamma of the min_snr weighting (Hang et al. 2023)
     reverse_variance: Literal["large", "small"] = "large"  # sigma_t^2 of ancestral sampling: large = beta_t,
                                                         # small = posterior beta~_t
@@ -121,8 +135,12 @@ class TrainerConfig:  # the run
     max_steps: int = ranged(800_000, 0, 10**10)         # optimizer steps to train for
     lr: float = ranged(2e-4, 0, 1)                      # peak AdamW learning rate
     warmup_steps: int = ranged(5000, 0, 10**9)          # linear LR warm-up, in steps; 0 = none
-    lr_schedule: Literal["constant", "cosine"] = "constant"  # after warm-up: hold the LR, or cosine-decay it
-                                                        # to 0 at max_steps
+    lr_schedule: Literal["constant", "cosine", "rsqrt"] = "constant"  # after warm-up: hold the LR,
+                                                        # cosine-decay it to 0 at max_steps, or rsqrt: lr /
+                                                        # sqrt(max(step / lr_decay_steps, 1)) (Karras et al.
+                                                        # 2024, EDM2's decay)
+    lr_decay_steps: int = ranged(1000, 1, 10**10)       # t_ref of the rsqrt schedule: the step it starts
+                                                        # decaying from
     weight_decay: float = ranged(0.0, 0, 100)           # AdamW decoupled weight decay
     adam_beta1: float = ranged(0.9, 0, 1)               # AdamW beta1
     adam_beta2: float = ranged(0.999, 0, 1)             # AdamW beta2
@@ -302,6 +320,9 @@ def validate(mc, tc=None):
         w, top = getattr(tc, name), phema.SIGMA_REL_MAX
         check(not tc.ema_snapshot_kimg or least <= len(w) <= 8 and all(0 < s < top for s in w),
               f"{name} needs {least} to 8 widths, each in (0, {top:.4f})")
+    check(tc.lr_schedule != "rsqrt" or tc.lr_decay_steps >= tc.warmup_steps,
+          f"lr_decay_steps {tc.lr_decay_steps} must be >= warmup_steps {tc.warmup_steps} (rsqrt decays after "
+          "the warm-up)")
     check(tc.batch_size % tc.grad_accum_steps == 0,
           f"batch_size {tc.batch_size} does not divide into grad_accum_steps={tc.grad_accum_steps} parts")
 
@@ -361,8 +382,9 @@ def extract(buf, t, x):
 class Diffusion(torch.nn.Module):
     """The forward process q, the training loss and the samplers, for any `model(z_t, t, y)`.
 
-    The model returns the configured target: ε (Ho et al.), x₀, or v = √ᾱ·ε − √(1−ᾱ)·x₀
-    (Salimans & Ho 2022). All three are converted exactly to (x̂₀, ε̂) by `predict_x0_eps`.
+    The model returns the configured target: ε (Ho et al.), x₀, v = √ᾱ·ε − √(1−ᾱ)·x₀ (Salimans & Ho
+    2022), or EDM's F (Karras et al. 2022, its input scaled by net_input). All four are converted exactly to
+    (x̂₀, ε̂) by `predict_x0_eps`.
     A Module only so that .to(device) moves the float64 schedule buffers.
     """
 
@@ -372,6 +394,12 @@ class Diffusion(torch.nn.Module):
         betas = beta_schedule(cfg)
         alpha_bar = torch.cumprod(1 - betas, dim=0)
         snr = alpha_bar / (1 - alpha_bar)  # SNR(t) = ᾱ_t / (1 - ᾱ_t)
+        self.split = split_timestep(cfg, snr)
+        # the timesteps this model is trained on: all of them, or its expert's share [lo, hi)
+        lo, hi = (0, self.split) if cfg.split_part == "low" else (self.split, cfg.timesteps)
+        self.t_range = (lo, hi) if self.split else (0, cfg.timesteps)
+        # σ_t of x = z_t/√ᾱ_t = x₀ + σ_t ε, the variance-exploding view (Karras et al. 2022 §2): σ_t² = 1/SNR
+        sigma, sd = snr.rsqrt(), cfg.sigma_data
         buffers = {
             "betas": betas,                                    # β_t
             "alpha_bar": alpha_bar,                            # ᾱ_t
@@ -380,15 +408,17 @@ class Diffusion(torch.nn.Module):
             "sqrt_alpha_bar": alpha_bar.sqrt(),                # √ᾱ_t
             "sqrt_one_minus_alpha_bar": (1 - alpha_bar).sqrt(),  # √(1 - ᾱ_t)
             "loss_weight": self._loss_weight(snr),             # w_t multiplying the per-sample MSE
+            "t_cdf": self._t_cdf(sigma),                       # P(t' <= t) of the training timesteps
+            "sigma": sigma,                                    # σ_t = √((1 - ᾱ_t) / ᾱ_t)
+            # EDM's preconditioning (Karras et al. 2022 Table 1): D(x; σ) = c_skip x + c_out F(c_in x)
+            "c_in": (sigma**2 + sd**2).rsqrt(),
+            "c_skip": sd**2 / (sigma**2 + sd**2),
+            "c_out": sigma * sd * (sigma**2 + sd**2).rsqrt(),
             "posterior_variance": (1 - torch.cat([torch.ones(1, dtype=torch.float64), alpha_bar[:-1]]))
                                   / (1 - alpha_bar) * betas,   # β̃_t = (1 - ᾱ_{t-1}) / (1 - ᾱ_t) β_t (eq. 7)
         }
         for name, value in buffers.items():
             self.register_buffer(name, value, persistent=False)
-        self.split = split_timestep(cfg, snr)
-        # the timesteps this model is trained on: all of them, or its expert's share [lo, hi)
-        lo, hi = (0, self.split) if cfg.split_part == "low" else (self.split, cfg.timesteps)
-        self.t_range = (lo, hi) if self.split else (0, cfg.timesteps)
 
     def _loss_weight(self, snr):
         """Per-timestep weight on the MSE of the configured target.
@@ -398,14 +428,36 @@ class Diffusion(torch.nn.Module):
         c = 1, SNR, SNR+1 for x, ε, v. Then
           'none':     w_t = 1 (Ho et al.'s L_simple on whichever target);
           'sqrt_snr': λ = γ_t = √SNR (Luhman & Luhman 2022 §3.2, their x-prediction loss);
-          'min_snr':  λ = min(SNR, γ), γ = min_snr_gamma (Hang et al. 2023 eq. 9).
+          'min_snr':  λ = min(SNR, γ), γ = min_snr_gamma (Hang et al. 2023 eq. 9);
+          'edm':      λ(σ) = (σ² + σ_d²) / (σ σ_d)² with σ² = 1/SNR (Karras et al. 2022 Table 1).
+        The edm prediction's F has ‖F̂−F‖² = ‖x̂₀−x₀‖² / c_out², so c = 1/c_out² there, and with the edm
+        weighting its w_t is 1: λ c_out² = 1, EDM's own loss (eq. 8).
         """
-        cfg = self.cfg
+        cfg, sd2 = self.cfg, self.cfg.sigma_data ** 2
         if cfg.loss_weighting == "none":
             return torch.ones_like(snr)
-        lam = snr.sqrt() if cfg.loss_weighting == "sqrt_snr" else snr.clamp(max=cfg.min_snr_gamma)
-        c = {"x": torch.ones_like(snr), "eps": snr, "v": snr + 1}[cfg.prediction]
+        lam = {"sqrt_snr": lambda: snr.sqrt(), "min_snr": lambda: snr.clamp(max=cfg.min_snr_gamma),
+               "edm": lambda: (1 / snr + sd2) * snr / sd2}[cfg.loss_weighting]()
+        c = {"x": lambda: torch.ones_like(snr), "eps": lambda: snr, "v": lambda: snr + 1,
+             "edm": lambda: (1 + sd2 * snr) / sd2}[cfg.prediction]()  # 1/c_out² = (σ² + σ_d²) / (σ σ_d)²
         return lam / c
+
+    def _t_cdf(self, sigma):
+        """P(t' <= t) of the training timesteps on t_range: uniform, or 'lognormal': ln σ ~ N(P_mean, P_std²)
+        (Karras et al. 2022 Table 1) put on the discrete t, each t taking the mass of ln σ between the
+        midpoints to its neighbours' ln σ_t (ln σ_t increases with t)."""
+        lo, hi = self.t_range
+        if self.cfg.t_sampling == "uniform":
+            p = torch.ones_like(sigma)
+        else:
+            log_sigma = sigma.log()
+            edges = (log_sigma[1:] + log_sigma[:-1]) / 2
+            cdf = torch.special.ndtr((edges - self.cfg.p_mean) / self.cfg.p_std)
+            p = torch.diff(cdf, prepend=cdf.new_zeros(1), append=cdf.new_ones(1))
+        p[:lo], p[hi:] = 0, 0
+        if p.sum() <= 0:
+            raise ValueError(f"the lognormal timesteps put no mass on the expert's range [{lo}, {hi})")
+        return torch.cumsum(p / p.sum(), 0)
 
     def q_sample(self, x0, t, noise):
         """z_t ~ q(x_t | x_0) = N(√ᾱ_t x_0, (1 - ᾱ_t) I)  (Ho et al. eq. 4)."""
@@ -418,8 +470,18 @@ class Diffusion(torch.nn.Module):
             return noise
         if self.cfg.prediction == "x":
             return x0
+        if self.cfg.prediction == "edm":  # F = (x₀ − c_skip x) / c_out, x = x₀ + σ ε (Karras et al. eq. 8)
+            x = x0 + extract(self.sigma, t, x0) * noise
+            return (x0 - extract(self.c_skip, t, x0) * x) / extract(self.c_out, t, x0)
         return (extract(self.sqrt_alpha_bar, t, x0) * noise
                 - extract(self.sqrt_one_minus_alpha_bar, t, x0) * x0)  # v
+
+    def net_input(self, z, t):
+        """What the network is given at z_t: z_t itself, or for the edm prediction c_in x with x = z_t/√ᾱ_t
+        (Karras et al. 2022 eq. 7; the network still embeds t, not c_noise = ¼ ln σ)."""
+        if self.cfg.prediction != "edm":
+            return z
+        return (extract(self.c_in, t, z) / extract(self.sqrt_alpha_bar, t, z)) * z
 
     def predict_x0_eps(self, out, z, t, threshold="static", percentile=0.995):
         """Network output at (z_t, t) -> (x̂₀, ε̂), using z_t = √ᾱ x₀ + √(1-ᾱ) ε.
@@ -434,8 +496,11 @@ class Diffusion(torch.nn.Module):
             x0, eps = (z - s * out) / a, out
         elif self.cfg.prediction == "x":
             x0, eps = out, (z - a * out) / s
-        else:  # v = √ᾱ ε − √(1−ᾱ) x₀  =>  x₀ = √ᾱ z − √(1−ᾱ) v,  ε = √(1−ᾱ) z + √ᾱ v
+        elif self.cfg.prediction == "v":  # v = √ᾱ ε − √(1−ᾱ) x₀ => x₀ = √ᾱ z − √(1−ᾱ) v, ε = √(1−ᾱ) z + √ᾱ v
             x0, eps = a * z - s * out, s * z + a * out
+        else:  # edm: x₀ = D(x; σ) = c_skip x + c_out F with x = z/√ᾱ (Karras et al. eq. 7)
+            x0 = extract(self.c_skip, t, z) * z / a + extract(self.c_out, t, z) * out
+            eps = (z - a * x0) / s
         if threshold == "none":
             return x0, eps
         if threshold == "static":
@@ -452,8 +517,11 @@ class Diffusion(torch.nn.Module):
         batch from the same stream on every rank, keeping rows rank::world."""
         rank, world = shard
         B = x0.shape[0] * world
-        # a split expert sees only its own range
-        t = torch.randint(*self.t_range, (B,), device=x0.device)[rank::world]
+        if self.cfg.t_sampling == "uniform":  # a split expert sees only its own range
+            t = torch.randint(*self.t_range, (B,), device=x0.device)[rank::world]
+        else:  # inverse CDF: the first t whose P(t' <= t) exceeds u
+            u = torch.rand(B, device=x0.device, dtype=torch.float64)[rank::world]
+            t = torch.searchsorted(self.t_cdf, u, right=True).clamp(max=self.t_range[1] - 1)
         noise = torch.randn((B, *x0.shape[1:]), device=x0.device, dtype=x0.dtype)[rank::world]
         u = torch.rand(B, device=x0.device)[rank::world] if labels and self.cfg.p_uncond > 0 else None
         return t, noise, u
@@ -474,7 +542,7 @@ class Diffusion(torch.nn.Module):
         z = self.q_sample(x0, t, noise)
         if u is not None:
             y = torch.where(u < self.cfg.p_uncond, torch.full_like(y, self.cfg.num_classes), y)
-        out = model(z, t, y).float()
+        out = model(self.net_input(z, t), t, y).float()
         mse = (out - self.target(x0, noise, t)).pow(2).flatten(1).mean(1)  # (B,)
         return self.loss_weight[t].float() * mse, t
 
@@ -524,6 +592,7 @@ class Diffusion(torch.nn.Module):
         Every target (ε, x, v) is affine in the output at fixed z_t, so guiding the output
         guides x̂₀ and ε̂ identically. w = 1 is plain conditional sampling: one call, no null pass.
         """
+        z = self.net_input(z, t)
         if y is None or guidance == 1.0:
             return model(z, t, y).float()
         null = torch.full_like(y, self.cfg.num_classes)
@@ -814,12 +883,15 @@ def ema_update(ema, model, decay, ok=None):
 
 
 def lr_at(step, tc):
-    """Linear warm-up over warmup_steps, then constant or cosine decay to 0 at max_steps."""
+    """Linear warm-up over warmup_steps, then constant, cosine decay to 0 at max_steps, or EDM2's inverse
+    square root, lr / √max(step / t_ref, 1) with t_ref = lr_decay_steps (>= warmup_steps: no jump)."""
     if step < tc.warmup_steps:
         return tc.lr * (step + 1) / tc.warmup_steps
     if tc.lr_schedule == "cosine":
         progress = (step - tc.warmup_steps) / max(1, tc.max_steps - tc.warmup_steps)
         return tc.lr * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+    if tc.lr_schedule == "rsqrt":
+        return tc.lr / math.sqrt(max(step / tc.lr_decay_steps, 1))
     return tc.lr
 
 

@@ -98,7 +98,8 @@ def vb_term(diffusion, model, x0, t, y, threshold, generator):
     noise = torch.randn(x0.shape, generator=generator,
                         device=generator.device if generator else x0.device)
     z = diffusion.q_sample(x0, tt, noise.to(x0.device, torch.float64))
-    x0_hat, _ = diffusion.predict_x0_eps(model(z.float(), tt, y).double(), z, tt, threshold)
+    out = model(diffusion.net_input(z, tt).float(), tt, y).double()
+    x0_hat, _ = diffusion.predict_x0_eps(out, z, tt, threshold)
     mean_p, _ = diffusion.q_posterior_mean_variance(x0_hat, z, tt)
     if isinstance(t, int) and t == 0:  # the discretised decoder
         return -discretized_gaussian_log_likelihood(x0, mean_p,

@@ -82,13 +82,18 @@ def position_embedding_2d(channels, size):
 
 
 class ResBlock(nn.Module):
-    """GroupNorm-SiLU-conv, add the time embedding, GroupNorm-SiLU-dropout-conv, plus a skip."""
+    """GroupNorm-SiLU-conv, add the time embedding, GroupNorm-SiLU-dropout-conv, plus a skip.
 
-    def __init__(self, in_ch, out_ch, temb_ch, dropout, groups=0):
+    scale_shift: the embedding gives a scale s and a shift b applied after the second GroupNorm,
+    norm(h)·(1 + s) + b (Dhariwal & Nichol 2021's AdaGN; diffusers' resnet_time_scale_shift='scale_shift'),
+    instead of being added before it."""
+
+    def __init__(self, in_ch, out_ch, temb_ch, dropout, groups=0, scale_shift=False):
         super().__init__()
+        self.scale_shift = scale_shift
         self.norm1 = group_norm(in_ch, groups)
         self.conv1 = ho_init(nn.Conv2d(in_ch, out_ch, 3, padding=1))
-        self.temb_proj = ho_init(nn.Linear(temb_ch, out_ch))
+        self.temb_proj = ho_init(nn.Linear(temb_ch, 2 * out_ch if scale_shift else out_ch))
         self.norm2 = group_norm(out_ch, groups)
         self.dropout = nn.Dropout(dropout)
         self.conv2 = ho_init(nn.Conv2d(out_ch, out_ch, 3, padding=1), scale=0)
@@ -96,8 +101,13 @@ class ResBlock(nn.Module):
 
     def forward(self, x, temb):
         h = self.conv1(F.silu(self.norm1(x)))
-        h = h + self.temb_proj(F.silu(temb))[:, :, None, None]
-        h = self.conv2(dropout(F.silu(self.norm2(h)), self.dropout.p, self.training))
+        emb = self.temb_proj(F.silu(temb))[:, :, None, None]
+        if self.scale_shift:
+            scale, shift = emb.chunk(2, dim=1)
+            h = self.norm2(h) * (1 + scale) + shift
+        else:
+            h = self.norm2(h + emb)
+        h = self.conv2(dropout(F.silu(h), self.dropout.p, self.training))
         return self.skip(x) + h
 
 
@@ -176,7 +186,8 @@ class Level(nn.Module):
     def __init__(self, in_chs, out_ch, temb_ch, attn, cfg, backend):
         super().__init__()
         groups = cfg.norm_groups
-        self.res = nn.ModuleList(ResBlock(c, out_ch, temb_ch, cfg.dropout, groups) for c in in_chs)
+        self.res = nn.ModuleList(ResBlock(c, out_ch, temb_ch, cfg.dropout, groups, cfg.scale_shift_norm)
+                                 for c in in_chs)
         self.attn = nn.ModuleList(
             Attention(out_ch, cfg.attn_heads, cfg.attn_head_dim, backend, groups) if attn else nn.Identity()
             for _ in in_chs
@@ -217,9 +228,9 @@ class UNet(nn.Module):
                 skip_chs.append(cur)
                 res //= 2
 
-        self.mid_res1 = ResBlock(cur, cur, temb_ch, cfg.dropout, cfg.norm_groups)
+        self.mid_res1 = ResBlock(cur, cur, temb_ch, cfg.dropout, cfg.norm_groups, cfg.scale_shift_norm)
         self.mid_attn = Attention(cur, cfg.attn_heads, cfg.attn_head_dim, attention, cfg.norm_groups)
-        self.mid_res2 = ResBlock(cur, cur, temb_ch, cfg.dropout, cfg.norm_groups)
+        self.mid_res2 = ResBlock(cur, cur, temb_ch, cfg.dropout, cfg.norm_groups, cfg.scale_shift_norm)
 
         self.up, self.upsample = nn.ModuleList(), nn.ModuleList()
         for i, w in reversed(list(enumerate(widths))):
@@ -342,8 +353,11 @@ def diffusers_config(model):
         "block_out_channels": widths, "layers_per_block": cfg.num_res_blocks, "mid_block_scale_factor": 1,
         "downsample_padding": 0,  # TF's 'SAME' on the stride-2 conv, as our Downsample
         "downsample_type": "conv", "upsample_type": "conv", "dropout": cfg.dropout, "act_fn": "silu",
-        "attention_head_dim": head_dim, "norm_num_groups": groups.pop(), "attn_norm_num_groups": None,
-        "norm_eps": NORM_EPS, "resnet_time_scale_shift": "default", "add_attention": True,
+        # with scale_shift, diffusers' mid-block attention has a norm only if attn_norm_num_groups says so
+        "attention_head_dim": head_dim, "norm_num_groups": (g := groups.pop()),
+        "attn_norm_num_groups": g if cfg.scale_shift_norm else None,
+        "norm_eps": NORM_EPS, "resnet_time_scale_shift": "scale_shift" if cfg.scale_shift_norm else "default",
+        "add_attention": True,
         "class_embed_type": None, "num_class_embeds": None, "num_train_timesteps": None,
     }
 
@@ -386,6 +400,8 @@ def model_fields_from_diffusers(config):
     need(config["mid_block_type"] == "UNetMidBlock2D", "mid_block_type", "a mid block with attention")
     groups = config["norm_num_groups"]
     need(all(w % groups == 0 for w in widths), "norm_num_groups", "a divisor of every width")
+    need(config["resnet_time_scale_shift"] in ("default", "scale_shift"), "resnet_time_scale_shift",
+         "the embedding added before the norm, or ADM's scale and shift after it")
     if all(group_norm(w).num_groups == groups for w in widths):
         groups = 0  # what our per-width rule gives (Ho's 32 at widths >= 64): the config our runs record
     head_dim = config["attention_head_dim"]
@@ -397,7 +413,7 @@ def model_fields_from_diffusers(config):
                 attn_resolutions=tuple(size // 2**i for i, a in enumerate(attn) if a),
                 attn_heads=1 if head_dim is None else 0, attn_head_dim=head_dim or 0,
                 dropout=config["dropout"], num_classes=0, patch_size=1, pos_emb=False,
-                norm_groups=groups)
+                norm_groups=groups, scale_shift_norm=config["resnet_time_scale_shift"] == "scale_shift")
 
 
 def diffusers_state_dict(model):
@@ -469,7 +485,8 @@ def check_diffusers_config(model, config):
     unknown = sorted(k for k in config if k not in DIFFUSERS_DEFAULTS and not k.startswith("_"))
     if unknown:
         raise ValueError(f"config.json: unknown UNet2DModel field {unknown[0][:80]}")
-    if config["attn_norm_num_groups"] == config["norm_num_groups"]:
+    same_norm = config["attn_norm_num_groups"] == config["norm_num_groups"]
+    if same_norm and config["resnet_time_scale_shift"] == "default":  # None means the same norm there
         config["attn_norm_num_groups"] = None
     listed = lambda v: list(v) if isinstance(v, (list, tuple)) else v  # noqa: E731
     for field, ours in diffusers_config(model).items():

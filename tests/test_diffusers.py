@@ -45,8 +45,9 @@ def their_model(model):
 @pytest.mark.parametrize("mc", [ModelConfig(dropout=0.0),  # the 'ho' preset: Ho et al.'s CIFAR-10 network
                                 wide(channel_mult=(1, 2, 2), num_res_blocks=2, attn_resolutions=(16, 4),
                                      attn_heads=0, attn_head_dim=32),
-                                tiny_model(base_channels=32, norm_groups=16)],  # a budget study's width
-                         ids=["ho", "multihead", "base32"])
+                                tiny_model(base_channels=32, norm_groups=16),  # a budget study's width
+                                wide(scale_shift_norm=True)],  # ADM's scale and shift after the norm
+                         ids=["ho", "multihead", "base32", "scale_shift"])
 def test_float64_output_equals_diffusers(mc):
     torch.manual_seed(0)
     ours = randomise(UNet(mc)).double().eval()
@@ -255,3 +256,37 @@ def test_targets_and_the_clean_image_estimate_match_diffusers_schedulers(predict
         ours, _ = d.predict_x0_eps(out[i:i + 1], z[i:i + 1], t[i:i + 1], threshold="none")
         step = ddim.step(out[i:i + 1], int(t[i]), z[i:i + 1], eta=0.0)
         torch.testing.assert_close(ours, step.pred_original_sample, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("sigma_data", [0.5, 1.3])
+def test_edm_preconditioning_matches_diffusers_edm_scheduler(sigma_data):
+    """prediction='edm': the network's input (net_input) and the x̂₀ built from its output F (predict_x0_eps)
+    against EDMEulerScheduler's precondition_inputs and precondition_outputs (Karras et al. 2022's c_in,
+    c_skip, c_out) at the same σ, in EDM's variable x = z_t/√ᾱ_t; and the training target F is what makes
+    their D(x; σ) the clean image."""
+    d = ddpm.Diffusion(ModelConfig(prediction="edm", sigma_data=sigma_data))
+    ref = diffusers.EDMEulerScheduler(sigma_data=sigma_data, prediction_type="epsilon")
+    g = torch.Generator().manual_seed(0)
+    x0, noise, out = (torch.randn(3, 3, 4, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    for t in (0, 300, 999):
+        tt = torch.full((3,), t)
+        z = d.q_sample(x0, tt, noise)
+        ab = d.alpha_bar[t].item()
+        x, sigma = z / ab**0.5, torch.tensor(((1 - ab) / ab) ** 0.5, dtype=torch.float64)
+        torch.testing.assert_close(d.net_input(z, tt), ref.precondition_inputs(x, sigma), rtol=1e-10, atol=0)
+        x0_hat, _ = d.predict_x0_eps(out, z, tt, threshold="none")
+        torch.testing.assert_close(x0_hat, ref.precondition_outputs(x, out, sigma), rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(ref.precondition_outputs(x, d.target(x0, noise, tt), sigma), x0,
+                                   rtol=1e-9, atol=1e-9)
+
+
+def test_scale_shift_config_goes_both_ways():
+    """A scale-shift network's config.json reads back as the same network (its mid-block attention keeps its
+    norm through attn_norm_num_groups); one without that norm is refused."""
+    model = UNet(wide(scale_shift_norm=True))
+    config = unet.diffusers_config(model)
+    fields = unet.model_fields_from_diffusers(config)
+    assert fields["scale_shift_norm"]
+    unet.check_diffusers_config(UNet(dataclasses.replace(model.cfg, **fields)), config)
+    with pytest.raises(ValueError, match="attn_norm_num_groups"):
+        unet.check_diffusers_config(model, {**config, "attn_norm_num_groups": None})

@@ -44,7 +44,7 @@ def test_q_sample_statistics():
         assert z.var().item() == pytest.approx(1 - ab, rel=2e-2, abs=1e-5)
 
 
-@pytest.mark.parametrize("prediction", ["eps", "x", "v"])
+@pytest.mark.parametrize("prediction", ["eps", "x", "v", "edm"])
 def test_prediction_round_trip(prediction):
     d = Diffusion(ModelConfig(prediction=prediction))
     x0 = torch.rand(64, 3, 4, 4, dtype=torch.float64) * 2 - 1
@@ -75,31 +75,85 @@ def noise_of(d, x0, z, t):
     return (z - a * x0) / s
 
 
-@pytest.mark.parametrize("weighting", ["none", "sqrt_snr", "min_snr"])
+@pytest.mark.parametrize("weighting", ["none", "sqrt_snr", "min_snr", "edm"])
 def test_loss_weighting(weighting):
-    """Weights are defined on the x₀-MSE, so the same x̂₀ error costs the same under ε, x and v."""
+    """Weights are defined on the x₀-MSE, so the same x̂₀ error costs the same under ε, x, v and EDM's F;
+    EDM's λ(σ) = (σ² + σ_d²)/(σ σ_d)² written out from Karras et al. 2022 Table 1 with numpy's σ."""
     x0 = torch.rand(32, 3, 4, 4, dtype=torch.float64) * 2 - 1
     delta = 0.05 * torch.randn_like(x0)
     mse_x = delta.pow(2).flatten(1).mean(1)
     losses = {}
-    for prediction in ("eps", "x", "v"):
+    for prediction in ("eps", "x", "v", "edm"):
         d = Diffusion(ModelConfig(prediction=prediction, loss_weighting=weighting, timesteps=100))
 
-        def model(z, t, y):  # predicts x̂₀ = x₀ + δ, expressed in the configured target
+        def model(u, t, y):  # predicts x̂₀ = x₀ + δ, expressed in the configured target
+            z = u / d.net_input(torch.ones_like(u), t)  # the network's input back to z_t (edm scales it)
             return d.target(x0 + delta, noise_of(d, x0 + delta, z, t), t)
 
         torch.manual_seed(1)  # the same t and ε for every prediction type
         losses[prediction], t = d.loss(model, x0)
         losses[prediction] = losses[prediction].double()
     snr = d.alpha_bar[t] / (1 - d.alpha_bar[t])
+    betas = np.linspace(1e-4, 0.02, 100)
+    sigma = torch.from_numpy(np.sqrt(1 / np.cumprod(1 - betas) - 1))[t]  # σ_t = √((1 − ᾱ_t)/ᾱ_t)
+    edm = (sigma**2 + 0.5**2) / (sigma * 0.5) ** 2
     if weighting == "none":  # L_simple: the plain MSE of each target
         torch.testing.assert_close(losses["x"], mse_x, rtol=1e-5, atol=0)
         torch.testing.assert_close(losses["eps"], snr * mse_x, rtol=1e-5, atol=0)
         torch.testing.assert_close(losses["v"], (snr + 1) * mse_x, rtol=1e-5, atol=0)
+        torch.testing.assert_close(losses["edm"], edm * mse_x, rtol=1e-5, atol=0)  # 1/c_out² = λ_EDM
     else:
-        lam = snr.sqrt() if weighting == "sqrt_snr" else snr.clamp(max=5.0)
-        for prediction in ("eps", "x", "v"):
+        lam = {"sqrt_snr": snr.sqrt(), "min_snr": snr.clamp(max=5.0), "edm": edm}[weighting]
+        for prediction in ("eps", "x", "v", "edm"):
             torch.testing.assert_close(losses[prediction], lam * mse_x, rtol=1e-5, atol=0)
+    if weighting == "edm":  # EDM's loss, eq. 8: λ c_out² = 1 on F
+        assert torch.allclose(d.loss_weight, torch.ones_like(d.loss_weight), rtol=1e-12)
+
+
+@pytest.mark.parametrize("split", [0, 300])
+def test_lognormal_timesteps_follow_karras_et_al(split):
+    """t_sampling='lognormal': ln σ_t of the drawn timesteps is N(P_mean, P_std²) (Karras et al. 2022 Table
+    1) put on the discrete grid. Each t's frequency in 400k draws against scipy's normal CDF between the
+    midpoints of neighbouring ln σ_t (numpy's schedule); a split expert draws only its own range."""
+    stats = pytest.importorskip("scipy.stats")
+    mc = ModelConfig(t_sampling="lognormal", p_mean=-1.0, p_std=1.4, split_timestep=split, split_part="high")
+    d = Diffusion(mc)
+    torch.manual_seed(0)
+    n = 400_000
+    t, _, _ = d.draw(torch.zeros(n, 1, 1, 1), False)
+    lo = split
+    assert t.min().item() >= lo and t.max().item() <= 999
+    log_sigma = 0.5 * np.log(1 / np.cumprod(1 - np.linspace(1e-4, 0.02, 1000)) - 1)
+    edges = np.concatenate([[-np.inf], (log_sigma[1:] + log_sigma[:-1]) / 2, [np.inf]])
+    p = np.diff(stats.norm.cdf(edges, loc=-1.0, scale=1.4))[lo:]
+    p = p / p.sum()
+    freq = np.bincount(t.numpy(), minlength=1000)[lo:] / n
+    se = np.sqrt(p * (1 - p) / n)
+    assert np.all(np.abs(freq - p) <= 5 * se + 1e-6), np.abs(freq - p).max()
+    if not split:  # the whole grid: the moments of ln σ are the normal's, to the grid's resolution
+        ls = torch.from_numpy(log_sigma)[t]
+        assert ls.mean().item() == pytest.approx(-1.0, abs=0.02)
+        assert ls.std().item() == pytest.approx(1.4, abs=0.02)
+
+
+def test_uniform_timesteps_draw_as_before():
+    """The default draws t with torch.randint, as every earlier run did: runs stay bitwise reproducible."""
+    d = Diffusion(ModelConfig(timesteps=100))
+    torch.manual_seed(3)
+    t, _, _ = d.draw(torch.zeros(64, 1, 1, 1), False)
+    torch.manual_seed(3)
+    assert torch.equal(t, torch.randint(0, 100, (64,)))
+
+
+def test_rsqrt_learning_rate_is_edm2s():
+    """lr_schedule='rsqrt': the warm-up, then α_ref / √max(t / t_ref, 1) (Karras et al. 2024), written out."""
+    tc = ddpm.TrainerConfig(lr=1e-3, warmup_steps=100, lr_schedule="rsqrt", lr_decay_steps=400)
+    assert ddpm.lr_at(49, tc) == pytest.approx(1e-3 * 50 / 100)
+    for step, want in [(100, 1e-3), (400, 1e-3), (1600, 1e-3 / 2), (40_000, 1e-3 / 10)]:
+        assert ddpm.lr_at(step, tc) == pytest.approx(want, rel=1e-12)
+    with pytest.raises(ddpm.UserError, match="lr_decay_steps"):
+        ddpm.validate(ModelConfig(), ddpm.TrainerConfig(warmup_steps=500, lr_schedule="rsqrt",
+                                                         lr_decay_steps=400))
 
 
 @pytest.mark.parametrize("prediction", ["eps", "x", "v"])

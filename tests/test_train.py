@@ -32,6 +32,18 @@ def test_short_run_learns_and_fills_the_run_folder(tmp_path):
     assert ckpt["step"] == 40 and {"model", "ema", "optimizer", "rng", "loader"} <= set(ckpt)
 
 
+def test_the_edm_levers_train_together(tmp_path):
+    """EDM's preconditioning, weighting and lognormal timesteps, ADM's scale-shift norm and EDM2's rsqrt LR in
+    one real run: it learns, and its EMA samples through the same samplers."""
+    out = tmp_path / "run"
+    mc = tiny_model(prediction="edm", loss_weighting="edm", t_sampling="lognormal", scale_shift_norm=True)
+    train(mc, tiny_trainer(out, max_steps=40, lr_schedule="rsqrt", lr_decay_steps=10), preset="test")
+    rows = read_metrics(out)
+    assert rows[-1]["loss"] < 0.85 * rows[0]["loss"]  # F's loss starts near 1 and keeps a high floor
+    assert rows[-1]["lr"] == pytest.approx(2e-3 / (39 / 10) ** 0.5, rel=1e-6)
+    assert "samples_0000040.png" in os.listdir(out)
+
+
 def test_resume_is_bitwise_identical_to_a_straight_run(tmp_path):
     mc = tiny_model(dropout=0.1, num_classes=4)  # dropout and label dropout use the RNG too
     train(mc, tiny_trainer(tmp_path / "straight", max_steps=20, shapes_count=128), preset="test")
