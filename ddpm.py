@@ -37,6 +37,7 @@ import data
 import diffusers_io
 import evaluate
 import fid
+import files
 import group
 import mfu
 import phema
@@ -133,6 +134,11 @@ class TrainerConfig:  # the run
     grad_accum_steps: int = ranged(1, 1, 4097)          # micro-batches per optimizer step and rank (the batch
                                                         # is split, not grown)
     max_steps: int = ranged(800_000, 0, 10**10)         # optimizer steps to train for
+    time_budget_min: float = ranged(0.0, 0, 10**6)      # also stop once this many minutes have passed since
+                                                        # the process started (imports, data, compiling and
+                                                        # training count; grids and evaluations do not),
+                                                        # with the EMA saved at each whole minute in
+                                                        # <run>/minutes; 0 = no limit
     lr: float = ranged(2e-4, 0, 1)                      # peak AdamW learning rate
     warmup_steps: int = ranged(5000, 0, 10**9)          # linear LR warm-up, in steps; 0 = none
     lr_schedule: Literal["constant", "cosine", "rsqrt"] = "constant"  # after warm-up: hold the LR,
@@ -171,6 +177,8 @@ class TrainerConfig:  # the run
                                                         # default (one per core)
     attention: Literal["sdpa", "math"] = "sdpa"         # attention kernel: F.scaled_dot_product_attention, or
                                                         # explicit softmax
+    norm_kernel: Literal["torch", "triton"] = "torch"   # GroupNorm+SiLU: torch's ops, or kernels.py's fused
+                                                        # Triton kernel (CUDA only)
     activation_checkpointing: bool = False              # recompute each residual/attention block in the
                                                         # backward pass: less memory, ~1 more forward
     out_dir: str = ""                                   # run folder; '' = runs/<preset>-<date>-<time>
@@ -252,6 +260,15 @@ PRESETS = {
                       max_steps=6250, eval_every_steps=1563, eval_fid_samples=5000, fid_ref_images=10_000,
                       eval_bpd_images=0, sample_every_steps=0, ckpt_every_steps=1000, sampler="dpm++",
                       sample_steps=20, compile="false", loader="torch"),
+    # CIFAR-10 on one GPU against the clock: 5 minutes from process start, data and compiling included, the
+    # EMA saved at each minute (README.md). Not yet run on a GPU: the cifar-cpu shape at twice its width with
+    # two blocks a level (8.95M parameters, 9.6 GFLOP per image), sized so that ~15% MFU on an H100 trains
+    # ~3.5 Mimg in the 4 minutes left after compiling; the rest from the CPU lever studies (BENCHMARKS.md)
+    "speedrun": dict(base_channels=64, num_res_blocks=2, dropout=0.0, batch_size=512, lr=1e-3,
+                     warmup_steps=200, ema_decay=0.999, ema_snapshot_kimg=500, ema_eval_widths=(),
+                     max_steps=200_000, time_budget_min=5, loader="resident", compile="true",
+                     compile_mode="reduce-overhead", sample_every_steps=0, ckpt_every_steps=0, sampler="heun",
+                     sample_steps=18, eval_sampler="heun", eval_sample_steps=18),
     # small enough to learn the built-in shapes at 16x16 on 2 CPU cores in 1.5 (bf16) to 5 (fp32) minutes:
     # 2x2 patches, v-prediction on the cosine schedule, class labels with guidance, high LR, small batches
     "demo": dict(dataset="shapes", image_size=16, patch_size=2, base_channels=64, channel_mult=(1, 2),
@@ -309,6 +326,10 @@ def validate(mc, tc=None):
     if tc is None:
         return
     check(not tc.resume or tc.out_dir, "--resume needs --out_dir, the run folder to continue")
+    check(not (tc.time_budget_min and tc.resume),
+          "a run against the clock (time_budget_min) cannot be resumed")
+    check(not tc.time_budget_min or mfu.process_seconds() is not None,
+          "time_budget_min needs the process's start time, which this system does not give (/proc)")
     for name, low, high in (("sample_steps", 0, "timesteps"), ("eval_sample_steps", 1, "timesteps"),
                             ("eval_bpd_strata", 1, "timesteps-1")):
         top = mc.timesteps - high.endswith("-1")
@@ -323,6 +344,8 @@ def validate(mc, tc=None):
     check(tc.lr_schedule != "rsqrt" or tc.lr_decay_steps >= tc.warmup_steps,
           f"lr_decay_steps {tc.lr_decay_steps} must be >= warmup_steps {tc.warmup_steps} (rsqrt decays after "
           "the warm-up)")
+    check(tc.norm_kernel == "torch" or group.resolve_device(tc.device).type == "cuda",
+          "norm_kernel=triton runs on CUDA devices only")
     check(tc.batch_size % tc.grad_accum_steps == 0,
           f"batch_size {tc.batch_size} does not divide into grad_accum_steps={tc.grad_accum_steps} parts")
 
@@ -789,7 +812,8 @@ def build(mc, tc, device, world=1):
     runs.set_matmul_precision(precision)
     compiled = runs.resolve_compile(tc.compile, device)
     channels_last = runs.resolve_channels_last(tc.channels_last, device, precision, compiled)
-    model = UNet(mc, attention=tc.attention, activation_checkpointing=tc.activation_checkpointing)
+    model = UNet(mc, attention=tc.attention, activation_checkpointing=tc.activation_checkpointing,
+                 norm_kernel=tc.norm_kernel)
     model = model.to(device, memory_format=runs.memory_format(channels_last))
     ema = copy.deepcopy(model).requires_grad_(False).eval()
     # fused AdamW kernels exist for CUDA and the CPU since torch 2.4
@@ -963,6 +987,56 @@ class Run:  # what train() sets up before its loop
     peak: float                  # peak FLOP/s of one device at the run's precision
     peak_source: str             # where that peak came from (datasheet, or measured)
     trackers: typing.Any = None  # runs.Trackers (TensorBoard, wandb) on rank 0 once the run is recorded
+    budget: typing.Any = None    # Budget: the clock of time_budget_min
+
+
+class Budget:
+    """time_budget_min's clock: seconds since the process started (mfu.process_seconds: imports, data and
+    compiling count), less the time spent on sample grids and evaluations (paused()); limit 0 = none."""
+    clock = staticmethod(time.monotonic)
+
+    def __init__(self, minutes):
+        self.limit, self.paused_s, self.minutes_saved = minutes * 60, 0.0, 0
+        self.start = self.clock() - ((mfu.process_seconds() or 0.0) if minutes else 0.0)
+
+    def elapsed(self):
+        return self.clock() - self.start - self.paused_s
+
+    def spent(self, step, world, every):
+        """Whether the budget is spent: checked every step in one process; under torchrun at the log steps
+        (every), where the ranks agree (any rank's clock ends the run for all)."""
+        if not self.limit or world > 1 and not due(every, step):
+            return False
+        over = float(self.elapsed() >= self.limit)
+        return (group.all_reduce_sum(torch.tensor([over], dtype=torch.float64))[0].item() if world > 1
+                else over) > 0
+
+    @contextlib.contextmanager
+    def paused(self):
+        t = self.clock()
+        try:
+            yield
+        finally:
+            self.paused_s += self.clock() - t
+
+    def minute_due(self):
+        """The whole minute just passed, if its EMA snapshot is not saved yet and it is inside the budget."""
+        m = int(self.elapsed() // 60)
+        return m if self.limit and m > self.minutes_saved and m * 60 < self.limit else 0
+
+
+def save_minute(run, mc, tc, step, minute):
+    """The EMA at a whole minute of the budget, as <run>/minutes/ema_minNNN.pt in ema.pt's format (sample.py
+    reads it), and its metrics row: the speedrun's FID curve is scored from these after training."""
+    b, elapsed = run.built, run.budget.elapsed()
+    run.budget.minutes_saved = minute
+    if run.rank == 0:
+        folder = files.own_folder(os.path.join(run.out_dir, "minutes"))
+        checkpoints.atomic_save({"ema": b.ema.state_dict(), "model_config": asdict(mc),
+                                 "trainer_config": asdict(tc), "step": step, "minute": minute,
+                                 "clock_s": elapsed}, os.path.join(folder, f"ema_min{minute:03d}.pt"))
+        runs.log_row(run.out_dir, {"step": step, "kimg": step * tc.batch_size / 1e3, "minute": minute,
+                                   "clock_s": elapsed}, run.trackers)
 
 
 def data_settings(mc, tc):
@@ -1040,8 +1114,9 @@ def record(run, mc, tc, preset):
           f"MFU against {run.peak / 1e12:.3g} TFLOP/s per device ({run.peak_source})")
     if b.phema:
         count = tc.max_steps * tc.batch_size // (tc.ema_snapshot_kimg * 1000) + 1
+        most = "at most " if tc.time_budget_min else ""  # the clock may end the run sooner
         print(f"post-hoc EMA: widths {', '.join(map(str, tc.ema_sigma_rels))} snapshotted every "
-              f"{tc.ema_snapshot_kimg} kimg and at the end: {count} snapshots, about "
+              f"{tc.ema_snapshot_kimg} kimg and at the end: {most}{count} snapshots, about "
               f"{count * b.phema.size_bytes() / 2**30:.2f} GiB in {os.path.join(run.out_dir, phema.FOLDER)}")
 
 
@@ -1093,20 +1168,26 @@ def off_the_clock(run, mc, tc, step, last_step, start_step, t_start, save_checkp
     b, new = run.built, step > start_step
     if new and (last_step or due(tc.ckpt_every_steps, step)):
         save_checkpoint(step)
+    if last_step and new and tc.time_budget_min and run.rank == 0:  # the final weights are written
+        runs.log_row(run.out_dir, {"step": step, "kimg": step * tc.batch_size / 1e3,
+                                   "clock_s": run.budget.elapsed(), "budget_s": tc.time_budget_min * 60},
+                     run.trackers)
     kimg_due = b.phema and b.phema.snapshot_due(step, tc.batch_size, tc.ema_snapshot_kimg)
     if run.rank == 0 and b.phema and step > 0 and (kimg_due or last_step and new):
         b.phema.snapshot(run.out_dir, b.model, step, step * tc.batch_size, runs.kept(run.out_dir))
     if new and tc.num_samples and (last_step or due(tc.sample_every_steps, step)):
-        save_samples(run, mc, tc, step)
+        with run.budget.paused():
+            save_samples(run, mc, tc, step)
     if run.evaluator and new and (last_step or due(tc.eval_every_steps, step)):
-        row = {"step": step, "kimg": step * tc.batch_size / 1e3, "wall_s": time.time() - t_start,
-               **run.evaluator(autocast_model(b.ema, run.device, b.precision), b.ema)}
+        with run.budget.paused():
+            result = run.evaluator(autocast_model(b.ema, run.device, b.precision), b.ema)
+        row = {"step": step, "kimg": step * tc.batch_size / 1e3, "wall_s": time.time() - t_start, **result}
         if run.rank == 0:
             runs.log_row(run.out_dir, row, run.trackers)
             runs.plot_curves(run.out_dir)
         say(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
         if last_step and b.phema and tc.eval_fid_samples and tc.ema_eval_widths:
-            ema_sweep(run, tc, step, say)
+            ema_sweep(run, tc, step, say)  # the run's last act: nothing of the budget is left to pause
 
 
 def ema_sweep(run, tc, step, say):
@@ -1135,7 +1216,9 @@ def train(mc, tc, preset="custom"):
     Under torchrun every rank runs this; rank 0 alone writes the run folder."""
     from tqdm import tqdm
 
+    budget = Budget(tc.time_budget_min)  # reads the process's start: set-up (data, compiling) counts
     run = set_up(mc, tc, preset)
+    run.budget = budget
     b, step, lead = run.built, run.step, run.rank == 0
     say = print if lead else (lambda *args, **kwargs: None)
     timer = mfu.StepTimer(run.device)
@@ -1165,8 +1248,12 @@ def train(mc, tc, preset="custom"):
         if step >= tc.max_steps:
             say(f"note: {run.out_dir} is at step {step}, which is --max_steps={tc.max_steps} or past it: "
                 "nothing to train")
+        spent = budget.spent(step, run.world, tc.log_every_steps)  # time_budget_min's clock
+        if spent and step < tc.max_steps:
+            raise UserError(f"the time budget ({tc.time_budget_min:g} min) was spent before the first step: "
+                            f"{budget.elapsed():.0f} s since the process started", RUN_STOPPED)
         while True:
-            last_step = step >= tc.max_steps
+            last_step = step >= tc.max_steps or spent
 
             # 1. checkpoint, post-hoc EMA snapshots, sample grid, evaluation (off the clock)
             off_the_clock(run, mc, tc, step, last_step, start_step, t_start, save_checkpoint, say)
@@ -1182,13 +1269,17 @@ def train(mc, tc, preset="custom"):
             tally.add(out.loss, out.losses, out.t * 4 // mc.timesteps, out.ok)
             step += 1
             pbar.update(1)
+            spent = budget.spent(step, run.world, tc.log_every_steps)
 
             # 3. log: one metrics.jsonl row per log_every_steps, the interval's only GPU->CPU sync
-            if due(tc.log_every_steps, step) or step == tc.max_steps:
+            if due(tc.log_every_steps, step) or step == tc.max_steps or spent:
                 logged = log_interval(run, tc, step, tally, out.grad_norm, timer.read_ms(), t_start)
                 pbar.set_postfix_str(runs.progress_text(logged))
             if lead and ticker.due():
                 say(f"step {step}/{tc.max_steps}" + (f" ({runs.progress_text(logged)})" if logged else ""))
+            minute = budget.minute_due()  # against the clock: the EMA at each whole minute
+            if minute:
+                save_minute(run, mc, tc, step, minute)
 
             # 4. a stop request (SIGTERM, SIGINT) ends the run after this step, with a checkpoint
             if preempt.requested():

@@ -89,7 +89,7 @@ def repatched(mc, patch_size):
 LADDER = [
     ("baseline", dict(precision="fp32", compile=False, compile_mode="default", attention="math",
                       channels_last=False, loader="dataloader", batch="base", accum_steps=1,
-                      checkpointing=False)),
+                      checkpointing=False, norm_kernel="torch")),
     ("scale up batch", dict(batch="max")),
     ("PyTorch SDPA", dict(attention="sdpa", batch="max")),
     ("bf16 autocast", dict(precision="bf16", batch="max")),
@@ -101,6 +101,8 @@ LADDER = [
     ("device-resident data", dict(loader="resident")),  # the whole dataset on the device, against FFCV above
     ("compile max-autotune", dict(compile_mode="max-autotune")),
     ("CUDA graphs", dict(compile_mode="reduce-overhead")),  # replaces max-autotune (or adds to default)
+    # each GroupNorm-SiLU pair as one hand-written Triton kernel each way, in place of inductor's (issue 51)
+    ("fused GroupNorm+SiLU (Triton)", dict(norm_kernel="triton")),
     # for GPUs without bf16 (V100, T4, P100): fp16 autocast with the dynamic loss scaler
     ("fp16 autocast", dict(precision="fp16", alone=True)),
     ("grad accumulation x4", dict(accum_steps=4, alone=True)),  # the same batch, as 4 micro-batches
@@ -118,7 +120,8 @@ def row_config(row, batch):
     return ddpm.TrainerConfig(batch_size=batch, grad_accum_steps=row["accum_steps"],
                               precision=row["precision"], compile=flag(row["compile"]),
                               compile_mode=row["compile_mode"], channels_last=flag(row["channels_last"]),
-                              attention=row["attention"], activation_checkpointing=row["checkpointing"])
+                              attention=row["attention"], activation_checkpointing=row["checkpointing"],
+                              norm_kernel=row["norm_kernel"])
 
 
 def row_loader(mc, row, batch, device, images, labels, beton):
@@ -259,6 +262,8 @@ def skip_reason(lad, name, change, trial, given=False):
         return "CUDA graphs need a GPU"
     if trial["compile_mode"] != "default" and not trial["compile"]:
         return "needs the torch.compile row"
+    if trial["norm_kernel"] == "triton" and not lad.gpu:
+        return "the fused Triton kernel runs on CUDA devices only"
     if trial["precision"] == "fp16" and not lad.gpu:
         return "fp16 is for GPUs without bf16; a CPU emulates it (7x slower than bf16 here)"
     if change.get("alone") and change.get("batch") == "max" and not lad.gpu:
@@ -313,7 +318,8 @@ def measured_row(lad, name, trial, mc_row, batch, ms, mem):
             "compile": trial["compile"], "compile_mode": trial["compile_mode"],
             "attention": trial["attention"], "channels_last": trial["channels_last"],
             "loader": trial["loader"], "accum_steps": trial["accum_steps"],
-            "activation_checkpointing": trial["checkpointing"], "patch_size": mc_row.patch_size,
+            "activation_checkpointing": trial["checkpointing"], "norm_kernel": trial["norm_kernel"],
+            "patch_size": mc_row.patch_size,
             "step_ms": ms, "img_per_s": batch / ms * 1e3, "tflops": flops / ms / 1e9,
             "tflops_torchinfo_x3": info * batch / ms / 1e9 if info else None,
             "mfu_datasheet": mfu.mfu(flops, ms / 1e3, sheet) if sheet else None,

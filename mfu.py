@@ -198,6 +198,19 @@ def mfu(flops_per_step, step_seconds, peak):
     return flops_per_step / step_seconds / peak
 
 
+def process_seconds():
+    """Wall-clock seconds since this process started, its interpreter start and imports included (Linux:
+    /proc/self/stat's start time against /proc/uptime, both since boot); None where there is no /proc."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, after the command's name
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+
+
 class StepTimer:
     """Times code between start() and stop() without syncing: CUDA events on a GPU,
     perf_counter elsewhere (CPU ops are synchronous). read_ms() is the sync point."""

@@ -16,7 +16,8 @@ It is Ho et al.'s network function for function (their timestep frequencies, TF 
 stride-2 convs, GroupNorm eps 1e-6, their initialisation): with the same weights its output equals
 diffusers' UNet2DModel to ~1e-15 in float64. The last section converts weights and config.json to and
 from UNet2DModel's names (diffusers_state_dict, load_diffusers_state_dict); activation_checkpointing=True
-recomputes each block in the backward pass.
+recomputes each block in the backward pass; norm_kernel='triton' runs each GroupNorm-SiLU pair as one fused
+Triton kernel (kernels.py, CUDA).
 """
 import math
 import re
@@ -26,9 +27,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
+import kernels
+
 
 NORM_EPS = 1e-6  # GroupNorm's epsilon in Ho et al.'s code (TF's group_norm), not PyTorch's default 1e-5
 POS_EMB_OMEGA = 64  # omega x grid size of Luhman & Luhman's position embedding (position_embedding_2d)
+NORM_KERNELS = ("torch", "triton")  # how a GroupNorm followed by SiLU runs (norm_silu)
 
 
 def group_norm(channels, groups=0):
@@ -38,6 +42,12 @@ def group_norm(channels, groups=0):
     its second norm (widths of 32 and below; the paper's are all >= 128, where this is 32 groups)."""
     groups = groups or max(g for g in range(1, 33) if channels % g == 0 and channels // g >= 2)
     return nn.GroupNorm(groups, channels, eps=NORM_EPS)
+
+
+def norm_silu(norm, x, kernel="torch"):
+    """F.silu(norm(x)), norm a GroupNorm. kernel 'torch': those two calls, which torch.compile fuses on
+    its own; 'triton': kernels.group_norm_silu, one hand-written pass each way (CUDA; elsewhere it raises)."""
+    return kernels.group_norm_silu(x, norm) if kernel == "triton" else F.silu(norm(x))
 
 
 def ho_init(layer, scale=1.0, parts=1):
@@ -86,11 +96,13 @@ class ResBlock(nn.Module):
 
     scale_shift: the embedding gives a scale s and a shift b applied after the second GroupNorm,
     norm(h)·(1 + s) + b (Dhariwal & Nichol 2021's AdaGN; diffusers' resnet_time_scale_shift='scale_shift'),
-    instead of being added before it."""
+    instead of being added before it.
+    norm_kernel: how each GroupNorm-SiLU pair runs (norm_silu); with scale_shift the second norm's scale and
+    shift sit between the two, so that one always runs on torch."""
 
-    def __init__(self, in_ch, out_ch, temb_ch, dropout, groups=0, scale_shift=False):
+    def __init__(self, in_ch, out_ch, temb_ch, dropout, groups=0, scale_shift=False, norm_kernel="torch"):
         super().__init__()
-        self.scale_shift = scale_shift
+        self.scale_shift, self.norm_kernel = scale_shift, norm_kernel
         self.norm1 = group_norm(in_ch, groups)
         self.conv1 = ho_init(nn.Conv2d(in_ch, out_ch, 3, padding=1))
         self.temb_proj = ho_init(nn.Linear(temb_ch, 2 * out_ch if scale_shift else out_ch))
@@ -100,14 +112,14 @@ class ResBlock(nn.Module):
         self.skip = ho_init(nn.Conv2d(in_ch, out_ch, 1)) if in_ch != out_ch else nn.Identity()  # Ho's "nin"
 
     def forward(self, x, temb):
-        h = self.conv1(F.silu(self.norm1(x)))
+        h = self.conv1(norm_silu(self.norm1, x, self.norm_kernel))
         emb = self.temb_proj(F.silu(temb))[:, :, None, None]
         if self.scale_shift:
             scale, shift = emb.chunk(2, dim=1)
-            h = self.norm2(h) * (1 + scale) + shift
+            h = F.silu(self.norm2(h) * (1 + scale) + shift)
         else:
-            h = self.norm2(h + emb)
-        h = self.conv2(dropout(F.silu(h), self.dropout.p, self.training))
+            h = norm_silu(self.norm2, h + emb, self.norm_kernel)
+        h = self.conv2(dropout(h, self.dropout.p, self.training))
         return self.skip(x) + h
 
 
@@ -183,11 +195,11 @@ class Upsample(nn.Module):
 class Level(nn.Module):
     """The res blocks (each optionally followed by attention) at one resolution."""
 
-    def __init__(self, in_chs, out_ch, temb_ch, attn, cfg, backend):
+    def __init__(self, in_chs, out_ch, temb_ch, attn, cfg, backend, norm_kernel="torch"):
         super().__init__()
         groups = cfg.norm_groups
-        self.res = nn.ModuleList(ResBlock(c, out_ch, temb_ch, cfg.dropout, groups, cfg.scale_shift_norm)
-                                 for c in in_chs)
+        self.res = nn.ModuleList(ResBlock(c, out_ch, temb_ch, cfg.dropout, groups, cfg.scale_shift_norm,
+                                          norm_kernel) for c in in_chs)
         self.attn = nn.ModuleList(
             Attention(out_ch, cfg.attn_heads, cfg.attn_head_dim, backend, groups) if attn else nn.Identity()
             for _ in in_chs
@@ -197,11 +209,17 @@ class Level(nn.Module):
 class UNet(nn.Module):
     """activation_checkpointing: each residual and attention block keeps only its input for the backward pass
     and recomputes the rest there (torch.utils.checkpoint, non-reentrant, the same dropout masks): the
-    activations' memory falls to the blocks' inputs, for about one more forward pass of compute."""
+    activations' memory falls to the blocks' inputs, for about one more forward pass of compute.
+    norm_kernel (NORM_KERNELS): where a GroupNorm is followed directly by SiLU (each ResBlock's first norm,
+    its second without scale_shift_norm, the output norm), 'torch' runs the two as F.silu(norm(x)), 'triton'
+    as the fused kernel of kernels.py (a CUDA device; the weights and outputs are the same function)."""
 
-    def __init__(self, cfg, attention="sdpa", activation_checkpointing=False):
+    def __init__(self, cfg, attention="sdpa", activation_checkpointing=False, norm_kernel="torch"):
         super().__init__()
+        if norm_kernel not in NORM_KERNELS:
+            raise ValueError(f"norm_kernel={norm_kernel!r}: one of {NORM_KERNELS}")
         self.cfg, self.activation_checkpointing = cfg, activation_checkpointing
+        self.norm_kernel = norm_kernel
         P, ch = cfg.patch_size, cfg.base_channels
         temb_ch = 4 * ch
         self.time_mlp = nn.Sequential(ho_init(nn.Linear(ch, temb_ch)), nn.SiLU(),
@@ -219,7 +237,8 @@ class UNet(nn.Module):
         cur = ch
         for i, w in enumerate(widths):
             in_chs = [cur] + [w] * (cfg.num_res_blocks - 1)
-            self.down.append(Level(in_chs, w, temb_ch, res in cfg.attn_resolutions, cfg, attention))
+            self.down.append(Level(in_chs, w, temb_ch, res in cfg.attn_resolutions, cfg, attention,
+                                   norm_kernel))
             skip_chs += [w] * cfg.num_res_blocks
             cur = w
             last = i == len(widths) - 1
@@ -228,9 +247,10 @@ class UNet(nn.Module):
                 skip_chs.append(cur)
                 res //= 2
 
-        self.mid_res1 = ResBlock(cur, cur, temb_ch, cfg.dropout, cfg.norm_groups, cfg.scale_shift_norm)
+        mid = (cur, cur, temb_ch, cfg.dropout, cfg.norm_groups, cfg.scale_shift_norm, norm_kernel)
+        self.mid_res1 = ResBlock(*mid)
         self.mid_attn = Attention(cur, cfg.attn_heads, cfg.attn_head_dim, attention, cfg.norm_groups)
-        self.mid_res2 = ResBlock(cur, cur, temb_ch, cfg.dropout, cfg.norm_groups, cfg.scale_shift_norm)
+        self.mid_res2 = ResBlock(*mid)
 
         self.up, self.upsample = nn.ModuleList(), nn.ModuleList()
         for i, w in reversed(list(enumerate(widths))):
@@ -238,7 +258,8 @@ class UNet(nn.Module):
             for _ in range(cfg.num_res_blocks + 1):
                 in_chs.append(cur + skip_chs.pop())
                 cur = w
-            self.up.append(Level(in_chs, w, temb_ch, res in cfg.attn_resolutions, cfg, attention))
+            self.up.append(Level(in_chs, w, temb_ch, res in cfg.attn_resolutions, cfg, attention,
+                                 norm_kernel))
             self.upsample.append(Upsample(cur) if i > 0 else nn.Identity())
             if i > 0:
                 res *= 2
@@ -277,7 +298,7 @@ class UNet(nn.Module):
                 h = self.block(attn, self.block(res, torch.cat([h, hs.pop()], dim=1), temb))
             h = up(h)
 
-        h = self.conv_out(F.silu(self.norm_out(h)))
+        h = self.conv_out(norm_silu(self.norm_out, h, self.norm_kernel))
         return F.pixel_shuffle(h, P) if P > 1 else h
 
     def block(self, module, *args):

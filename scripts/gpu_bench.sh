@@ -58,7 +58,7 @@ if [ $dry = 1 ]; then  # tiny models and a step or two per row, on the CPU
   tests=()
 else
   on=()
-  compiled="torch.compile,device-resident data,CUDA graphs"  # each compiles anew (FFCV: not on the card)
+  compiled="torch.compile,device-resident data,CUDA graphs,fused GroupNorm+SiLU (Triton)"  # each compiles anew
   ho=(--preset ho --max_batch 512 --warmup 3 --iters 10 --profile
       --rows "baseline,scale up batch,PyTorch SDPA,bf16 autocast,channels_last,$compiled")
   seed=(--preset seed --max_batch 512 --warmup 3 --iters 10 --profile

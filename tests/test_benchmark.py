@@ -66,6 +66,7 @@ def test_cpu_ladder_rows_are_well_formed(tmp_path):
     assert "torch.compile" in skipped  # off on the CPU unless --cpu_compile
     assert {"fp16 autocast", "checkpointing at the largest batch",
             "patch_size 2 at the largest batch"} <= set(skipped)
+    assert skipped["fused GroupNorm+SiLU (Triton)"] == "the fused Triton kernel runs on CUDA devices only"
     by = {r["version"]: r for r in ran}
     # the rows that vary their row alone, and that nothing after them inherits their change
     assert (by["grad accumulation x4"]["accum_steps"],

@@ -9,29 +9,31 @@ import sys
 
 from conftest import ROOT
 
-OURS = ["errors", "files", "cli", "group", "unet", "beton", "data", "fid", "evaluate", "diffusers_io", "mfu",
-        "checkpoints", "phema", "runs", "ddpm", "sampling", "shards", "ladder", "sample", "benchmark"]
+OURS = ["errors", "files", "cli", "group", "kernels", "unet", "beton", "data", "fid", "evaluate",
+        "diffusers_io", "mfu", "checkpoints", "phema", "runs", "ddpm", "sampling", "shards", "ladder",
+        "sample", "benchmark"]
 BASE = {"errors", "files"}  # the one user error, and safe file writes and reads: any module may use them
-METHOD = {"ddpm", "cli", "checkpoints", "unet", "beton", "data", "fid", "evaluate", "diffusers_io", "mfu",
-          "phema", "runs", "group"} | BASE  # what ddpm.py stands on
+METHOD = {"ddpm", "cli", "checkpoints", "unet", "kernels", "beton", "data", "fid", "evaluate", "diffusers_io",
+          "mfu", "phema", "runs", "group"} | BASE  # what ddpm.py stands on
 ALLOWED = {  # what importing each module may load of ours, itself included
     "errors": {"errors"},
     "files": BASE,
     "cli": {"cli"} | BASE,
     "group": {"group"} | BASE,
-    "unet": {"unet"},
+    "kernels": {"kernels"},
+    "unet": {"unet", "kernels"},
     "beton": {"beton"} | BASE,
     "data": {"data", "beton", "group"} | BASE,
     "fid": {"fid", "group"} | BASE,
     "evaluate": {"evaluate", "fid", "group"} | BASE,  # handed the model and the sampler; never imports ddpm
-    "diffusers_io": {"diffusers_io", "unet"} | BASE,
-    "mfu": {"mfu", "unet"} | BASE,
+    "diffusers_io": {"diffusers_io", "unet", "kernels"} | BASE,
+    "mfu": {"mfu", "unet", "kernels"} | BASE,
     "checkpoints": {"checkpoints"} | BASE,
     "phema": {"phema"} | BASE,
-    "runs": {"runs", "checkpoints", "group", "mfu", "unet"} | BASE,
+    "runs": {"runs", "checkpoints", "group", "mfu", "unet", "kernels"} | BASE,
     "ddpm": METHOD,
     "sampling": METHOD | {"sampling"},
-    "shards": {"shards", "runs", "checkpoints", "group", "mfu", "unet"} | BASE,
+    "shards": {"shards", "runs", "checkpoints", "group", "mfu", "unet", "kernels"} | BASE,
     "ladder": METHOD | {"ladder"},
     "sample": METHOD | {"sampling", "shards", "sample"},
     "benchmark": METHOD | {"sampling", "ladder", "benchmark"},
@@ -99,11 +101,11 @@ def test_lines_and_functions_stay_short():
 
 
 def test_one_job_per_module():
-    """Each module's size, with room to grow: ddpm.py within 1,290 lines and its Diffusion class (the forward
+    """Each module's size, with room to grow: ddpm.py within 1,380 lines and its Diffusion class (the forward
     process and the loss) within 250; sample.py within 450; the shard store within 300; every other module
     within 650. Each module opens with a docstring whose first sentence says what it is for."""
     lines = {m: sum(1 for _ in open(os.path.join(ROOT, f"{m}.py"))) for m in OURS}
-    caps = {"ddpm": 1290, "sample": 450, "shards": 300}
+    caps = {"ddpm": 1380, "sample": 450, "shards": 300}
     over = {m: n for m, n in lines.items() if n > caps.get(m, 650)}
     assert not over, over
     tree = ast.parse(open(os.path.join(ROOT, "ddpm.py")).read())

@@ -174,3 +174,48 @@ def test_fp16_overflow_is_one_skip_and_lowers_the_scale():
     assert step.ok.item() == 0 and torch.isfinite(step.loss)
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))  # skipped: nothing moved
     assert scaler.get_scale() == 2.0**99  # and the scaler backed off, once
+
+
+def test_a_run_against_the_clock_stops_at_its_budget_with_the_ema_of_each_minute(tmp_path, monkeypatch):
+    """time_budget_min, on a clock that moves 7 s at each reading (the test does not depend on this machine's
+    speed): the EMA of each whole minute lands in minutes/ in ema.pt's format, the run stops once the budget
+    is spent, with its weights, and records when; a budget spent before the first step is one line; a run
+    against the clock cannot be resumed."""
+    import itertools
+
+    import mfu
+
+    ticks = itertools.count()
+    monkeypatch.setattr(ddpm.Budget, "clock", staticmethod(lambda: 7.0 * next(ticks)))
+    monkeypatch.setattr(mfu, "process_seconds", lambda: 0.0)  # this process is pytest's, started long ago
+    out = tmp_path / "run"
+    tc = tiny_trainer(out, max_steps=10**6, time_budget_min=2.5, num_samples=0, log_every_steps=1000)
+    train(tiny_model(), tc, preset="test")
+    rows = read_metrics(out, key=None)
+    minutes = [r for r in rows if "minute" in r]
+    final = [r for r in rows if "budget_s" in r]
+    assert [r["minute"] for r in minutes] == [1, 2] and len(final) == 1 and final[0]["budget_s"] == 150
+    assert 60 <= minutes[0]["clock_s"] < 120 <= minutes[1]["clock_s"] < 150 <= final[0]["clock_s"]
+    assert minutes[0]["step"] < minutes[1]["step"] < final[0]["step"]
+    assert final[0]["step"] == torch.load(out / "ckpt.pt", weights_only=True)["step"]
+    assert read_metrics(out)[-1]["step"] == final[0]["step"]  # the stop logs its interval, img/s and MFU
+    assert sorted(os.listdir(out / "minutes")) == ["ema_min001.pt", "ema_min002.pt"]
+    model, mc, _ = ddpm.load_ema(str(out / "minutes" / "ema_min002.pt"), "cpu")
+    assert mc.base_channels == 16
+    monkeypatch.setattr(mfu, "process_seconds", lambda: 1e4)  # set-up took longer than the budget
+    with pytest.raises(UserError, match="spent before the first step"):
+        train(tiny_model(), tiny_trainer(tmp_path / "late", time_budget_min=2.5), preset="test")
+    with pytest.raises(UserError, match="cannot be resumed"):
+        ddpm.validate(tiny_model(), tiny_trainer(out, time_budget_min=2.5, resume=True))
+
+
+def test_the_clock_starts_with_the_process():
+    """mfu.process_seconds counts from the process's start, before anything is imported."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    code = "import time; time.sleep(1.5); import mfu; print(mfu.process_seconds())"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and float(done.stdout.split()[-1]) >= 1.5, done.stderr
