@@ -47,7 +47,9 @@ def save_checkpoints(out_dir, step, model, ema, mc, tc, **state):
     configs = {"model_config": asdict(mc), "trainer_config": asdict(tc), "step": step}
     atomic_save({"model": model.state_dict(), "ema": ema.state_dict(), "rng": rng, **state, **configs},
                 os.path.join(out_dir, "ckpt.pt"), keep_previous=True)
-    atomic_save({"ema": ema.state_dict(), **configs}, os.path.join(out_dir, "ema.pt"))
+    tracked = state.get("phema")  # the post-hoc EMA's run, which its snapshots name (phema.py), if any
+    run = {"phema_run": tracked.get("run")} if isinstance(tracked, dict) else {}
+    atomic_save({"ema": ema.state_dict(), **configs, **run}, os.path.join(out_dir, "ema.pt"))
 
 
 def load_checkpoint(path, device):
@@ -107,6 +109,7 @@ def restore(ckpt, path, mc, model, ema, opt, loader, world, scaler=None, data_no
         raise UserError(f"--resume: the data differ from the checkpoint's ({'; '.join(other_data)}); "
                         "pass --resume_new_data to train on them from a new epoch plan")
     model_state, ema_state, opt_state, position, rng, step = states
+    say = print if int(os.environ.get("RANK", "0")) == 0 else (lambda *a, **k: None)  # once, not per rank
     model.load_state_dict(model_state)
     ema.load_state_dict(ema_state)
     opt.load_state_dict(opt_state)
@@ -117,11 +120,11 @@ def restore(ckpt, path, mc, model, ema, opt, loader, world, scaler=None, data_no
     if saved_world != world:  # the position counts per-rank images: keep the same place in the epoch
         per_rank = position["index"] * saved_world // world
         position["index"] = per_rank - per_rank % loader.batch_size
-        print(f"note: resuming {saved_world}-process training with {world}: the same epoch and place in it, "
-              "but not bitwise the run it would have been")
+        say(f"note: resuming {saved_world}-process training with {world}: the same epoch and place in it, "
+            "but not bitwise the run it would have been")
     if other_data:
-        print(f"note: training on other data than the checkpoint's ({'; '.join(other_data)}), as "
-              "--resume_new_data asks: a new epoch plan starts here")
+        say(f"note: training on other data than the checkpoint's ({'; '.join(other_data)}), as "
+            "--resume_new_data asks: a new epoch plan starts here")
     else:
         loader.load_state_dict(position)
     torch.set_rng_state(rng["torch"])

@@ -44,6 +44,9 @@ SHAPE_CLASSES = ("circle", "square", "triangle", "diamond")  # label order of th
 
 # images in the built-in 'shapes' dataset, unless told otherwise (TrainerConfig.shapes_count)
 SHAPES_COUNT = 50_000
+MAX_SHAPES_COUNT = 10**7  # the most 'shapes' images any command makes (TrainerConfig.shapes_count's bound)
+MAX_IMAGE_SIZE = 8192  # pixels a side: the largest resolution any command takes (ModelConfig.image_size's
+#                        bound, evaluate.py's .npz images, data.py's --image_size)
 MAX_DECODE_PIXELS = 8192**2  # an image file larger than this is skipped as unreadable, never decoded
 BETON_DIR = "data/betons"  # where betons are cached, unless told otherwise (TrainerConfig.beton_dir)
 
@@ -107,6 +110,21 @@ class Listing(typing.NamedTuple):
         """A hash of the image files' relative paths, sizes and modification times."""
         text = json.dumps(self.files)  # ASCII: any file name, even undecodable bytes, as \u escapes
         return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+    def content_digest(self):
+        """A BLAKE2b digest of the image files' relative paths and bytes, read in one streaming pass (4 MiB at
+        a time): it changes with any image's content, whatever its size and modification time say."""
+        h = hashlib.blake2b(digest_size=16)
+        for rel, _, _ in self.files:
+            one = hashlib.blake2b(digest_size=16)
+            try:
+                with files.open_regular(os.path.join(self.root, rel)) as f:
+                    for block in iter(lambda: f.read(2**22), b""):
+                        one.update(block)
+            except OSError:  # gone or no longer a regular file: the loaders skip it as unreadable
+                one.update(b"unreadable")
+            h.update(json.dumps([rel, one.hexdigest()]).encode())
+        return h.hexdigest()
 
     def skipped(self):
         """'' or what was skipped that is not a regular file: '2 FIFOs/devices/sockets, 1 broken ...'"""
@@ -180,17 +198,25 @@ def image_files(root):
     return Listing(root, found, **n)
 
 
+def with_images(root, listing=None):
+    """-> the walk of an image folder (image_files, or `listing`, one made already) if it lists images; else
+    one UserError line naming what was skipped. It opens nothing: a command checks its folder with it before
+    it makes anything (ddpm.py before its run folder)."""
+    listing = image_files(root) if listing is None else listing
+    if not listing.files:
+        skipped = listing.skipped()
+        raise UserError(f"image folder '{root}' holds no images ({', '.join(IMAGE_EXTENSIONS)})"
+                        + (f"; skipped {skipped}" if skipped else ""))
+    return listing
+
+
 def image_folder(root, image_size, listing=None):
     """Every image below `root` (image_files: regular files only); its first-level subfolders are the classes
     (sorted by name). Each is opened with files.open_regular, so a FIFO swapped in after the walk is skipped
     as unreadable, never waited on. `listing`: the walk of `root` already made."""
     from PIL import Image
 
-    listing = image_files(root) if listing is None else listing
-    if not listing.files:
-        skipped = listing.skipped()
-        raise UserError(f"image folder '{root}' holds no images ({', '.join(IMAGE_EXTENSIONS)})"
-                        + (f"; skipped {skipped}" if skipped else ""))
+    listing = with_images(root, listing)
     parts = [rel.split(os.sep) for rel, _, _ in listing.files]
     has_classes = all(len(p) > 1 for p in parts)
     classes = sorted({p[0] for p in parts}) if has_classes else []
@@ -565,6 +591,19 @@ def make_loader(kind, dataset, data_dir, image_size, batch_size, seed, device, *
 # python data.py --dataset ... --out PATH.beton
 
 
+def check_host_memory(count, image_size):
+    """Refuse in one line, before any image is made, `count` images of image_size that host memory cannot
+    hold (a lower bound: the uint8 images alone)."""
+    need = count * 3 * image_size**2
+    try:
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return
+    if need > have:
+        raise UserError(f"{count:,} images of {image_size}px need at least {need / 2**30:,.1f} GiB; this "
+                        f"machine has {have / 2**30:,.1f} GiB: make them fewer or smaller")
+
+
 def main(argv=None):
     import argparse
 
@@ -579,9 +618,9 @@ def main(argv=None):
     p.add_argument("--out", help="the .beton to write")
     args = p.parse_args(argv)
     with reported():
-        for name in ("image_size", "shapes_count"):
-            if getattr(args, name) < 1:
-                raise UserError(f"--{name} {getattr(args, name)}: must be >= 1")
+        for name, top in (("image_size", MAX_IMAGE_SIZE), ("shapes_count", MAX_SHAPES_COUNT)):
+            if not 1 <= getattr(args, name) <= top:
+                raise UserError(f"--{name} {getattr(args, name)}: must lie in [1, {top}]")
         if args.out:
             if not beton.ffcv_available():
                 raise UserError("ffcv cannot be imported: run make setup "
@@ -591,6 +630,9 @@ def main(argv=None):
             listing = image_files(args.data_dir) if DATASETS[args.dataset].reads == "folder" else None
             origin = provenance(args.dataset, args.data_dir, args.image_size, args.shapes_count, train,
                                 listing)
+            built_in = DATASETS[args.dataset].reads == "built-in"  # a download's count is known once loaded
+            count = len(listing.files) if listing else args.shapes_count * built_in
+            check_host_memory(count, args.image_size)
             images, labels, num_classes = load_dataset(args.dataset, args.data_dir, args.image_size,
                                                        args.shapes_count, train, listing)
             beton.write_verified_beton(images, labels, num_classes, args.out, origin)

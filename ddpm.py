@@ -58,7 +58,7 @@ SAMPLERS = {}  # sampler name -> Sampler; section 2 fills it (@sampler), and Tra
 
 @dataclass
 class ModelConfig:  # the network and the diffusion process
-    image_size: int = ranged(32, 1, 8193)               # training resolution in pixels (square)
+    image_size: int = ranged(32, 1, data.MAX_IMAGE_SIZE + 1)  # training resolution in pixels (square)
     channels: int = ranged(3, 1, 65)                    # image channels
     patch_size: int = ranged(1, 1, 65)                  # P: fold PxP patches into channels (Luhman & Luhman
                                                         # 2022); 1 = off
@@ -122,7 +122,8 @@ class TrainerConfig:  # the run
                                                         # built in and offline
     data_dir: str = "data"                              # download folder ('cifar10') or the image folder
                                                         # ('folder')
-    shapes_count: int = ranged(data.SHAPES_COUNT, 1, 10**7)  # images in the built-in 'shapes' dataset
+    shapes_count: int = ranged(data.SHAPES_COUNT, 1, data.MAX_SHAPES_COUNT + 1)  # images in the built-in
+                                                        # 'shapes' dataset
     loader: Literal["ffcv", "torch", "resident"] = "ffcv"  # FFCV from a cached .beton; gathers from uint8
                                                         # tensors in host memory; or on the device
     beton_dir: str = data.BETON_DIR                     # where .beton files are written once and reused
@@ -338,9 +339,8 @@ def validate(mc, tc=None):
     check(not tc.eta or any(SAMPLERS[s].eta is not None for s in (tc.sampler, tc.eval_sampler)),
           f"eta {tc.eta}: neither sampler ({tc.sampler}, eval_sampler {tc.eval_sampler}) takes an eta")
     for name, least in (("ema_sigma_rels", 1), ("ema_eval_widths", 0)):
-        w, top = getattr(tc, name), phema.SIGMA_REL_MAX
-        check(not tc.ema_snapshot_kimg or least <= len(w) <= 8 and all(0 < s < top for s in w),
-              f"{name} needs {least} to 8 widths, each in (0, {top:.4f})")
+        if tc.ema_snapshot_kimg:  # distinct, each in [phema.SIGMA_REL_MIN, SIGMA_REL_MAX): before any work
+            phema.check_widths(getattr(tc, name), name, least, 8)
     check(tc.lr_schedule != "rsqrt" or tc.lr_decay_steps >= tc.warmup_steps,
           f"lr_decay_steps {tc.lr_decay_steps} must be >= warmup_steps {tc.warmup_steps} (rsqrt decays after "
           "the warm-up)")
@@ -1054,6 +1054,9 @@ def set_up(mc, tc, preset):
     say = print if rank == 0 else (lambda *args, **kwargs: None)
     built_in = data.DATASETS[tc.dataset].reads == "built-in"  # its images are counted before any is made
     runs.check_fits(mc, tc, device, world, tc.shapes_count if built_in else 0)
+    runs.check_trackers(tc.log_to)  # a tracker missing, or wandb without a login: before the run folder
+    if data.DATASETS[tc.dataset].reads == "folder":
+        data.with_images(tc.data_dir)  # an empty image folder: before the run folder
     out_dir = runs.prepare_run_folder(tc.out_dir, preset, tc.resume, world)
     loader, data_classes = make_loader(tc.loader, tc.dataset, tc.data_dir, mc.image_size,
                                        tc.batch_size // world, tc.seed, device, hflip=tc.hflip,

@@ -249,6 +249,12 @@ def score_samples(feats, logits, reference, record):
             "fid_note": warning.removeprefix("warning: ") or None}
 
 
+def other_scores(result):
+    """', inception_score 9.1234, precision 0.5000, recall 0.4000': the other scores a result holds."""
+    return "".join(f", {k} {result[k]:.4f}" for k in ("inception_score", "precision", "recall")
+                   if result.get(k) is not None)
+
+
 def held_out_result(diffusion, model, mc, dataset, data_dir, shapes_count, n, seed, batch, strata, threshold,
                     device):
     """Bits/dim of the first n images of the held-out split, in fp32 (the bound sums T terms), with its
@@ -270,7 +276,6 @@ def held_out_result(diffusion, model, mc, dataset, data_dir, shapes_count, n, se
 # one against another.
 
 SMALL_N = 50_000  # FID is biased upward below this many samples (and published figures use it)
-MAX_SIDE = 8192  # pixels: the largest images an .npz may hold (ModelConfig.image_size's bound)
 
 
 def dataset_splits():
@@ -314,9 +319,12 @@ class NpzImages:
         if dtype != np.uint8 or fortran or len(shape) != 4 or shape[3] != 3 or shape[1] < 1 or shape[2] < 1:
             raise UserError(f"{self.path}: {self.key[:-4]} is {dtype} {shape}{' Fortran-ordered' * fortran}; "
                             "images are uint8 (N, H, W, 3) in C order")
-        if shape[0] == 0 or max(shape[1:3]) > MAX_SIDE:
+        import data
+
+        top = data.MAX_IMAGE_SIZE  # pixels a side, as for every command
+        if shape[0] == 0 or max(shape[1:3]) > top:
             raise UserError(f"{self.path}: {self.key[:-4]} is {shape}: " + (
-                "no images" if shape[0] == 0 else f"images of at most {MAX_SIDE} pixels a side are scored"))
+                "no images" if shape[0] == 0 else f"images of at most {top} pixels a side are scored"))
         if size - a.tell() != int(np.prod(shape)):  # a header claiming more (or fewer) images than there are
             raise UserError(f"{self.path}: {self.key[:-4]} announces {shape}, {int(np.prod(shape))} bytes, "
                             f"and holds {size - a.tell()}")
@@ -361,13 +369,16 @@ def operand(spec):
 
 
 def check_operand(op):
-    """Before any Inception work, what can be checked cheaply: an .npz's header, a folder's listing."""
+    """Before any Inception work, what can be checked cheaply: an .npz's header, a folder's listing, and at
+    least 2 images on each side."""
     import data
 
-    if op[0] == "npz":
-        NpzImages(op[1])
-    elif op[0] == "folder" and not data.image_files(op[1]).files:
-        raise UserError(f"--fid {op[1]}: the folder holds no images ({', '.join(data.IMAGE_EXTENSIONS)})")
+    if op[0] == "npz" and len(NpzImages(op[1])) < 2:
+        raise UserError(f"--fid {op[1]}: one image; FID needs at least 2 (a covariance)")
+    count = len(data.image_files(op[1]).files) if op[0] == "folder" else 2
+    if count < 2:
+        raise UserError(f"--fid {op[1]}: the folder holds {'one image' if count else 'no images'} "
+                        f"({', '.join(data.IMAGE_EXTENSIONS)}); FID needs at least 2 (a covariance)")
 
 
 def describe(op):
@@ -433,23 +444,26 @@ def parse_args(argv):
     p.add_argument("--device", default="auto")
     p.add_argument("--out", default="", help="also write the result as JSON here")
     args = p.parse_args(argv)
-    for name in ("batch", "shapes_count"):
-        if getattr(args, name) < 1:
-            raise UserError(f"--{name} {getattr(args, name)}: must be >= 1")
-    if args.image_size < 0:
-        raise UserError(f"--image_size {args.image_size}: must be >= 1 (or 0: the default)")
+    import data
+
+    for name, top in (("batch", 2**16), ("shapes_count", data.MAX_SHAPES_COUNT)):
+        if not 1 <= getattr(args, name) <= top:
+            raise UserError(f"--{name} {getattr(args, name)}: must lie in [1, {top}]")
+    if not 0 <= args.image_size <= data.MAX_IMAGE_SIZE:
+        raise UserError(f"--image_size {args.image_size}: must lie in [1, {data.MAX_IMAGE_SIZE}] (or 0: the "
+                        "default)")
     if args.fid_ref_images < 0:
         raise UserError(f"--fid_ref_images {args.fid_ref_images}: must be >= 1 (or 0: all)")
     return args
 
 
 def content_key(op):
-    """A digest of what an .npz or folder operand holds: the .npz file's bytes (SHA-256), or the folder's
-    listing (data.Listing.fingerprint: its image files' names, sizes and times, as a beton's provenance)."""
+    """A digest of what an .npz or folder operand holds: the .npz file's bytes (SHA-256), or its image files'
+    names and bytes (data.Listing.content_digest), each read in one streaming pass."""
     import data
 
     if op[0] == "folder":
-        return data.image_files(op[1]).fingerprint()
+        return data.image_files(op[1]).content_digest()
     h = hashlib.sha256()
     with files.open_regular(op[1]) as f:
         for block in iter(lambda: f.read(2**22), b""):
@@ -458,25 +472,28 @@ def content_key(op):
 
 
 def side_stats(op, args, extractor, image_size, device):
-    """The reference side B: a dataset split's cached statistics, or those of an .npz's or folder's images.
-    -> (statistics, their record)."""
+    """The reference side B: a dataset split's cached statistics, or those of an .npz's or folder's images,
+    cached by their content (fid.cached_stats: used only where they prove to be these). -> (statistics,
+    their record)."""
     if op[0] == "dataset":
         path = fid.reference_path(extractor, op[1], args.data_dir, image_size, args.shapes_count,
                                   args.stats_dir, op[2] == "train", args.fid_ref_images)
         ref = fid.reference_stats(extractor, op[1], args.data_dir, image_size, args.shapes_count, device,
                                   args.stats_dir, args.batch, op[2] == "train", args.fid_ref_images)
-    else:  # cached by content: the .npz's bytes, or the folder's image names, sizes and times
-        path = os.path.join(args.stats_dir, f"{op[0]}-{content_key(op)[:16]}-{image_size}px"
+    else:  # cached by content: the .npz's bytes, or the folder's image names and bytes
+        key = content_key(op)
+        path = os.path.join(args.stats_dir, f"{op[0]}-{key[:16]}-{image_size}px"
                             + fid.extractor_suffix(extractor))
-        if files.is_regular(path):
-            ref = fid.read_stats(path)
-        else:
+
+        def compute():
             _, batches = operand_batches(op, args, image_size)
             f, _ = fid.features(extractor, batches, device, desc=f"Inception features of {describe(op)}")
             mu, sigma = fid.mean_cov(f)
-            ref = {"mu": mu, "sigma": sigma, "features": f[:fid.REFERENCE_KEEP].numpy(),
-                   "n": np.array(len(f))}
-            fid.write_stats(path, ref, args.stats_dir)
+            kept = f[:fid.REFERENCE_KEEP].numpy()
+            return {"mu": mu, "sigma": sigma, "features": kept, "n": np.array(len(f))}
+
+        settings = fid.stats_settings(extractor, kind=op[0], content=key, image_size=image_size)
+        ref = fid.cached_stats(path, settings, fid.feature_width(extractor), compute, args.stats_dir)
     record = {"source": describe(op), "kind": op[0], "split": op[2] if op[0] == "dataset" else None,
               "drawn": f"seed {fid.REFERENCE_SEED}" if args.fid_ref_images else None, "images": int(ref["n"]),
               "image_size": image_size, "sha256": fid.stats_sha256(ref), "cache": path}
@@ -512,8 +529,7 @@ def main(argv=None):
         if args.out:
             with files.created(args.out, "w") as f:
                 json.dump(result, f, indent=2)
-        extra = "".join(f", {k} {result[k]:.4f}" for k in ("inception_score", "precision", "recall")
-                        if result.get(k) is not None)
+        extra = other_scores(result)
         wrote = f"; wrote {args.out}" if args.out else ""
         score = f"{result['fid']:.4f}" if result["fid"] is not None else "not a number"
         print(f"FID {score}: {describe(a)} ({len(feats)} images) against {describe(b)} "

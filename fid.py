@@ -4,9 +4,12 @@ bit-exactly), and the reference statistics of a dataset split, computed once and
     ref = reference_stats(inception(device), "cifar10", "data", 32, 50_000, device, cache_dir)  # cached
     fid_metrics(*features(extractor, batches, device), ref)     # {'fid', 'inception_score', 'precision', ...}
 
+A cache is used only where it proves to be what its name says (cached_stats: read through no link, its
+arrays sound, its checksum and the settings it was computed from as recorded); else it is computed again.
 Under torchrun every rank does 1/world of the images and the sums are all-reduced (group.py).
 """
 import hashlib
+import json
 import os
 
 import numpy as np
@@ -131,6 +134,8 @@ def mean_cov(feats, chunk=4096):
         s += f.sum(0)
         outer += f.T @ f
     n, s, outer = group.all_reduce_sum(torch.tensor(float(len(feats)), dtype=torch.float64), s, outer)
+    if n < 2:
+        raise UserError(f"FID needs at least 2 images (a covariance), not {int(n)}")
     mu = s / n
     return mu.numpy(), ((outer - n * torch.outer(mu, mu)) / (n - 1)).numpy()
 
@@ -174,63 +179,127 @@ def extractor_suffix(extractor):
     return f"-{net}" + (f"-{sha[:12]}" if sha else "") + ".npz"
 
 
-def read_stats(path):
-    """Cached statistics, checked before they are trusted (a file on disk may be truncated or someone
-    else's): a bad one is one UserError line."""
+def feature_width(extractor):
+    """The width of the network's features (InceptionV3's pool: 2048) where it says, else None."""
+    listed = getattr(extractor, "features_list", None)
+    return int(listed[0]) if listed and str(listed[0]).isdigit() else None
+
+
+def stats_settings(extractor, **what):
+    """What cached statistics were computed from: `what` (the data, its resolution, the draw) and the network
+    (its name and weights' hash), as JSON holds it: the record a cache must match to be used."""
+    net = {"network": getattr(extractor, "name", type(extractor).__name__),
+           "weights_sha256": getattr(extractor, "weights_sha256", None), "width": feature_width(extractor)}
+    return json.loads(json.dumps({**what, **net}))
+
+
+def content_sha256(ref):
+    """SHA-256 of everything cached statistics hold (each array's dtype, shape and bytes)."""
+    h = hashlib.sha256()
+    for k in ("mu", "sigma", "features", "n"):
+        a = np.ascontiguousarray(ref[k])
+        h.update(f"{k} {a.dtype.str} {a.shape}".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
+def read_stats(path, settings, width=None):
+    """Cached statistics -> (ref, None) if they prove to be those of `settings`, else (None, why; why None
+    when nothing is there). Read from a regular file only, never through a link; the arrays checked (mean
+    and covariance finite, of `width` features where given, n >= 2), then their checksum and the settings
+    they were computed from, as write_stats recorded them."""
     try:
-        with files.open_regular(path) as f, np.load(f) as z:
-            ref = {k: z[k] for k in z.files}
-        ok = {"mu", "sigma", "features", "n"} <= set(ref) and ref["sigma"].shape == (len(ref["mu"]),) * 2
-    except Exception:
-        ok = False
-    if not ok:
-        raise UserError(f"{path} is not readable FID reference statistics: delete it and they are computed "
-                        "again")
-    return ref
+        with files.open_regular(path, follow=False) as f, np.load(f) as z:
+            ref = {k: z[k] for k in ("mu", "sigma", "features", "n")}
+            meta = json.loads(str(z["meta"][()]))
+    except FileNotFoundError:
+        return None, None
+    except Exception as e:  # a link, a FIFO, truncated, no meta (an older cache), not an .npz
+        return None, f"not readable as statistics this program wrote ({type(e).__name__})"
+    mu, sigma, feats, n = ref["mu"], ref["sigma"], ref["features"], ref["n"]
+    d = mu.shape[0] if mu.ndim == 1 else -1
+    if not (d >= 1 and sigma.shape == (d, d) and feats.ndim == 2 and feats.shape[1] == d and n.shape == ()
+            and n.dtype.kind in "iu" and n >= 2 and mu.dtype.kind == sigma.dtype.kind == "f"):
+        return None, f"not statistics (mean {mu.shape}, covariance {sigma.shape}, n {n})"
+    if width is not None and d != width:
+        return None, f"statistics of {d} features, not the network's {width}"
+    if not (np.isfinite(mu).all() and np.isfinite(sigma).all()):
+        return None, "a mean or covariance that is not finite"
+    if not isinstance(meta, dict) or meta.get("sha256") != content_sha256(ref):
+        return None, "content that is not what was written (its checksum differs)"
+    if meta.get("settings") != settings:
+        return None, "statistics of other data, settings or network than these"
+    return ref, None
 
 
-def write_stats(path, ref, cache_dir):
+def write_stats(path, ref, cache_dir, settings):
+    """The cache: the statistics with the settings they were computed from and their checksum (read_stats)."""
     files.own_or_named(cache_dir, STATS_DIR)
+    meta = json.dumps({"settings": settings, "sha256": content_sha256(ref)})
     with files.created(path, kept="nothing is cached; the statistics are computed again next time") as f:
-        np.savez(f, **ref)
+        np.savez(f, **ref, meta=np.array(meta))
+
+
+def cached_stats(path, settings, width, compute, cache_dir):
+    """The statistics cached at `path` if they prove to be those of `settings` (read_stats), else compute()'s,
+    cached there (whatever was at `path` replaced, never written through). Under torchrun every rank reads
+    them, and all compute if any rank could not (decided together: a rank that skipped the computation
+    would leave the others waiting); rank 0 writes."""
+    rank, world = group.rank_world()
+    ref, why = read_stats(path, settings, width)
+    (good,) = group.all_reduce_sum(torch.tensor(float(ref is not None), dtype=torch.float64))
+    if good == world:
+        return ref
+    if why and rank == 0:
+        print(f"note: the cache {path} holds {why}: the statistics are computed again", flush=True)
+    ref = compute()
+    if rank == 0:
+        write_stats(path, ref, cache_dir, settings)
+    return ref
 
 
 def reference_stats(extractor, dataset, data_dir, image_size, shapes_count, device, cache_dir, batch=250,
                     train=True, ref_images=0):
     """A split's (the training set's by default; ref_images of them, drawn by reference_subset, if > 0)
     feature mean and covariance, plus up to REFERENCE_KEEP of its features (precision/recall). Computed once,
-    then read from cache_dir (reference_path)."""
+    then read from cache_dir (reference_path) as long as they prove to be this split's (cached_stats): its
+    provenance (a folder's by the bytes of its images), the draw and the network."""
     import data
 
     path = reference_path(extractor, dataset, data_dir, image_size, shapes_count, cache_dir, train,
                           ref_images)
-    rank, world = group.rank_world()
-    (cached,) = group.all_reduce_sum(torch.tensor(float(os.path.exists(path)), dtype=torch.float64))
-    # decided together: a rank that skipped the computation would leave the others waiting
-    if cached == world:
-        return read_stats(path)
+    listing = data.image_files(data_dir) if data.spec(dataset).reads == "folder" else None
+    origin = data.provenance(dataset, data_dir, image_size, shapes_count, train, listing)
+    content = listing.content_digest() if listing is not None else None
+    settings = stats_settings(extractor, data=origin, content=content, ref_images=ref_images,
+                              seed=REFERENCE_SEED)
     split = "train" if train else "test"
-    try:
-        images, _, _ = data.load_dataset(dataset, data_dir, image_size, shapes_count, train=train)
-    except UserError as e:
-        raise UserError(f"FID reference statistics: {e}") from None
-    images = reference_subset(images, ref_images, f"{dataset} {split}")
-    print(f"computing FID reference statistics of {dataset} {split} ({len(images)} images) into {path}",
-          flush=True)
-    mine = images[rank::world]
-    f, _ = features(extractor, (mine[i : i + batch] for i in range(0, len(mine), batch)), device,
-                    desc="FID reference statistics", total=len(mine))
-    mu, sigma = mean_cov(f)
-    kept = f[: REFERENCE_KEEP // world].float().numpy()  # this rank's share; rank 0's is what the cache keeps
-    ref = {"mu": mu, "sigma": sigma, "features": kept, "n": np.array(len(images))}
-    if rank == 0:
-        write_stats(path, ref, cache_dir)
-    return ref
+
+    def compute():
+        rank, world = group.rank_world()
+        try:
+            images, _, _ = data.load_dataset(dataset, data_dir, image_size, shapes_count, train, listing)
+        except UserError as e:
+            raise UserError(f"FID reference statistics: {e}") from None
+        images = reference_subset(images, ref_images, f"{dataset} {split}")
+        print(f"computing FID reference statistics of {dataset} {split} ({len(images)} images) into {path}",
+              flush=True)
+        mine = images[rank::world]
+        f, _ = features(extractor, (mine[i : i + batch] for i in range(0, len(mine), batch)), device,
+                        desc="FID reference statistics", total=len(mine))
+        mu, sigma = mean_cov(f)
+        kept = f[: REFERENCE_KEEP // world].float().numpy()  # this rank's share; rank 0's is what is cached
+        return {"mu": mu, "sigma": sigma, "features": kept, "n": np.array(len(images))}
+
+    return cached_stats(path, settings, feature_width(extractor), compute, cache_dir)
 
 
 def fid_metrics(gen_feats, gen_logits, ref, prc=True):
     """FID against `ref`; Inception Score (10 splits) and precision/recall (k = 3) where asked and
     available."""
+    if gen_feats.shape[1] != len(ref["mu"]):
+        raise UserError(f"the samples have {gen_feats.shape[1]} features and the reference statistics "
+                        f"{len(ref['mu'])}: they were not made by the same network")
     mu, sigma = mean_cov(gen_feats)
     out = {"fid": frechet_distance(mu, sigma, ref["mu"], ref["sigma"])}
     if gen_logits is not None:

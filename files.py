@@ -7,6 +7,8 @@ image folder can neither redirect a write nor block a read.
                                       # never followed); on any error the temporary file is removed
     files.append_line(path, text)     # one os.write of a whole line to a regular file (never through a link)
     with files.open_regular(path) as f: ...   # refuses anything but a regular file, without blocking on it
+    with files.open_regular(path, follow=False) as f: ...   # and a link there too: a file this program wrote
+    files.fresh_folder(parent, "session-")   # a new folder of a name nobody could guess, made here (mkdir)
     files.own_folder(path)            # a folder the program names itself: made here, never a planted link
     files.own_or_named(path, default) # a cache folder: own_folder when it is the default, else the user's
     files.check_space([(path, bytes)], advice)  # refuse, before writing, what the free disk cannot hold
@@ -117,10 +119,11 @@ def append_line(path, text, kept=""):
         os.close(fd)
 
 
-def open_regular(path, mode="rb"):
-    """open(path, mode) for reading, but only for a regular file (links resolved once); a FIFO, device or
-    folder raises OSError at once instead of blocking."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+def open_regular(path, mode="rb", follow=True):
+    """open(path, mode) for reading, but only for a regular file (links resolved once; with follow=False a
+    link is refused too: a file the program wrote itself, a cache, is never one); a FIFO, device or folder
+    raises OSError at once instead of blocking."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | (0 if follow else os.O_NOFOLLOW))
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise OSError(errno.EINVAL, "not a regular file", path)
@@ -165,6 +168,22 @@ def own_folder(path):
         raise UserError(f"{path} belongs to another user; this program uses only folders it made: remove it, "
                         "or choose another place")
     return path
+
+
+def fresh_folder(parent, prefix):
+    """A new folder in `parent`, named `prefix` and random hex, made here by mkdir (which fails on anything
+    already there): no name inside it can have been planted beforehand, for writers whose files have names
+    anyone could guess (a tracker's). -> its path."""
+    for _ in range(100):
+        path = os.path.join(parent, prefix + os.urandom(6).hex())
+        try:
+            os.mkdir(path, 0o755)
+            return path
+        except FileExistsError:
+            continue
+        except OSError as e:
+            raise os_error(e, path) from None
+    raise UserError(f"no free folder name in {parent}")
 
 
 def own_or_named(folder, default):

@@ -40,7 +40,6 @@ def resolve_precision(precision, device):
     return "bf16" if device.type == "cpu" and mfu.cpu_has_bf16() else "fp32"
 
 
-
 def set_matmul_precision(precision):
     """'fp32' is true fp32 everywhere; the others let fp32 matmuls and convs use TF32 tensor cores."""
     tf32 = precision != "fp32"
@@ -458,24 +457,25 @@ class Trackers:
     """TensorBoard and/or wandb (TrainerConfig.log_to), on rank 0: every metrics row at its step (training
     rows under train/, evaluation rows under eval/), each sample grid as an image, and the config as
     hyperparameters. TensorBoard's event files live in the run folder, so `tensorboard --logdir runs/` shows
-    one run per folder; the wandb run is named after the folder and keeps its id there (wandb-id), so a
-    resumed run continues the same curves: TensorBoard drops the events a crash left past the checkpoint
-    (purge_step), wandb the steps it already has. A tracker that is not installed, or wandb with neither a
+    one run per folder; the wandb run is named after the folder and keeps its id there (wandb-id; its files
+    in <run>/wandb/start-*, a folder made at each start), so a resumed run continues the same curves:
+    TensorBoard drops the events a crash left past the checkpoint (purge_step), wandb the steps it already
+    has. A tracker that is not installed, or wandb with neither a
     login nor WANDB_MODE=offline, is one error line at start-up; one that fails mid-run is one warning and
     is dropped, and training goes on with metrics.jsonl complete."""
 
     def __init__(self, log_to, out_dir, config, step):
         self.tb = self.wandb = None
-        kinds = [] if log_to == "none" else log_to.split(",")
+        kinds = check_trackers(log_to)
         if "tensorboard" in kinds:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-                from torch.utils.tensorboard.summary import hparams
-            except ImportError:
-                raise UserError("--log_to=tensorboard: the tensorboard package is not installed "
-                                "(pip install tensorboard; make setup installs it)") from None
-            # resumed at `step`: the events a crash left after that step's checkpoint are dropped
-            self.tb = SummaryWriter(out_dir, purge_step=step + 1 if step else None)
+            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard.summary import hparams
+
+            # resumed at `step`: the events a crash left after that step's checkpoint are dropped. The event
+            # file's name (time, host, pid) is guessable, and the writer opens it by name: a random suffix
+            # makes one nobody can have planted a link or FIFO at
+            self.tb = SummaryWriter(out_dir, purge_step=step + 1 if step else None,
+                                    filename_suffix="." + os.urandom(8).hex())
             flat = flat_config(config)
             for summary in hparams(flat, {}):
                 self.tb.file_writer.add_summary(summary)
@@ -517,26 +517,46 @@ def flat_config(config):
             for part in ("model", "trainer") for k, v in config[part].items()}
 
 
+def check_trackers(log_to):
+    """Before the run folder is made: a tracker that is not installed, or wandb with neither a login nor
+    WANDB_MODE=offline, is one UserError line. -> the trackers asked for."""
+    kinds = [] if log_to == "none" else log_to.split(",")
+    if "tensorboard" in kinds:
+        try:
+            from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+        except ImportError:
+            raise UserError("--log_to=tensorboard: the tensorboard package is not installed "
+                            "(pip install tensorboard; make setup installs it)") from None
+    if "wandb" in kinds:
+        try:
+            import wandb
+        except ImportError:
+            raise UserError("--log_to=wandb: the wandb package is not installed "
+                            "(pip install wandb)") from None
+        offline = os.environ.get("WANDB_MODE") in ("offline", "disabled", "dryrun")
+        if not offline and not (os.environ.get("WANDB_API_KEY") or wandb_logged_in(wandb)):
+            raise UserError("--log_to=wandb: not logged in to wandb: run `wandb login`, or set "
+                            "WANDB_MODE=offline to write the run to the run folder and `wandb sync` it later")
+    return kinds
+
+
 def start_wandb(out_dir, config):
-    try:
-        import wandb
-    except ImportError:
-        raise UserError("--log_to=wandb: the wandb package is not installed (pip install wandb)") from None
-    offline = os.environ.get("WANDB_MODE") in ("offline", "disabled", "dryrun")
-    if not offline and not (os.environ.get("WANDB_API_KEY") or wandb_logged_in(wandb)):
-        raise UserError("--log_to=wandb: not logged in to wandb: run `wandb login`, or set "
-                        "WANDB_MODE=offline to write the run to the run folder and `wandb sync` it later")
-    id_path = os.path.join(out_dir, "wandb-id")
-    try:
-        with files.open_regular(id_path, "rb") as f:
+    """The wandb run of this folder: its id kept in <run>/wandb-id (read from a regular file only, never
+    through a link, and only as an id this program makes; else a new one), its files in a folder made fresh
+    for this start inside <run>/wandb (no name there can have been planted before)."""
+    import wandb
+
+    id_path, run_id = os.path.join(out_dir, "wandb-id"), None
+    with contextlib.suppress(OSError, UnicodeDecodeError):
+        with files.open_regular(id_path, follow=False) as f:
             run_id = f.read(64).decode().strip()
-    except OSError:
+    if run_id is None or not (len(run_id) == 16 and set(run_id) <= set("0123456789abcdef")):  # not ours
         run_id = os.urandom(8).hex()
         with files.created(id_path, "w") as f:
             f.write(run_id + "\n")
-    files.own_folder(os.path.join(out_dir, "wandb"))  # where wandb writes: made here, never a planted link
+    folder = files.fresh_folder(files.own_folder(os.path.join(out_dir, "wandb")), "start-")
     return wandb.init(project=os.environ.get("WANDB_PROJECT", "ddpm"), name=os.path.basename(
-        os.path.abspath(out_dir)), id=run_id, resume="allow", dir=out_dir, config=flat_config(config))
+        os.path.abspath(out_dir)), id=run_id, resume="allow", dir=folder, config=flat_config(config))
 
 
 def wandb_logged_in(wandb):

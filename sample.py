@@ -67,9 +67,7 @@ def main(argv=None):
             with group.sigterm_interrupts():
                 if len(args.ema_length) < 2:
                     return command(args, rank, world, device)
-                one = [{**vars(args), "ema_length": [s], "out": phema.sweep_out(args.out, s)}
-                       for s in args.ema_length]
-                results = [command(argparse.Namespace(**kw), rank, world, device) for kw in one]
+                results = [command(one, rank, world, device) for one in phema.sweep_args(args)]
                 return phema.write_sweep(args.out, results) if rank == 0 else None
         except KeyboardInterrupt:
             raise UserError(f"stopped by a signal; the finished shards are kept in "
@@ -107,7 +105,7 @@ def parse_args(argv):
     parsed, so a sampler registered after this module was imported is one too."""
     p = argparse.ArgumentParser(description="Sample images from a trained ddpm run.")
     p.add_argument("--ckpt", required=True,
-                   help="a run's ckpt.pt or ema.pt, or a diffusers model or pipeline folder")
+                   help="a run folder (its ema.pt), its ckpt.pt or ema.pt, or a diffusers model or pipeline")
     p.add_argument("--ckpt_high", default="",
                    help="with model splitting: the t >= S expert (--ckpt is then the t < S one)")
     p.add_argument("--n", "--num_images", dest="n", type=int, default=64,
@@ -173,13 +171,13 @@ def sampler_help():
 
 
 def load_models(args, device):
-    """-> (the EMA network, its ModelConfig, its run's TrainerConfig fields or {}); with --ckpt_high, the
-    two experts of a split model as one network, each used for its own timesteps."""
-    if args.ema_length and os.path.isdir(args.ckpt):  # a run folder: its ema.pt for the config
+    """-> (the EMA network, its ModelConfig, its run's TrainerConfig fields or {}) of --ckpt (a run folder:
+    its ema.pt); with --ckpt_high, the two experts of a split model as one network, each for its timesteps."""
+    if os.path.isdir(args.ckpt) and (args.ema_length or files.is_regular(os.path.join(args.ckpt, "ema.pt"))):
         args.ckpt = os.path.join(args.ckpt, "ema.pt")
     model, mc, run = ddpm.load_ema(args.ckpt, device)
     if args.ema_length:  # one width here (a sweep calls command once per width)
-        args.post_hoc_ema = phema.load_rebuilt(model, os.path.dirname(args.ckpt), args.ema_length[0])
+        args.post_hoc_ema = phema.load_rebuilt(model, args.ckpt, args.ema_length[0])
     if not args.ckpt_high:
         if ddpm.split_timestep(mc):
             raise UserError(f"{args.ckpt} is one expert of a split model: give the other with --ckpt_high")
@@ -190,6 +188,8 @@ def load_models(args, device):
         raise UserError("--ckpt and --ckpt_high differ in more than split_part")
     if (mc.split_part, mc_high.split_part) != ("low", "high") or not ddpm.split_timestep(mc):
         raise UserError("--ckpt must be a split model's 'low' expert and --ckpt_high its 'high' one")
+    if args.ema_length:  # the high expert too, from its own run's snapshots
+        args.post_hoc_ema["high_expert"] = phema.load_rebuilt(high, args.ckpt_high, args.ema_length[0])
     return ddpm.SplitModel(model, high, ddpm.split_timestep(mc)), mc, run
 
 
@@ -218,14 +218,15 @@ def choose_settings(args, mc, run, world=1):
     if args.eta and ddpm.SAMPLERS[args.sampler].eta is None:
         raise UserError(f"--eta {args.eta}: the sampler '{args.sampler}' takes no eta")
     top = max(mc.num_classes - 1, -1)  # --label: a class, or -1 to cycle through them
-    bounds = (("n", 1, shards.MAX_IMAGES), ("batch", 0, 2**16), ("shard_size", 0, shards.MAX_IMAGES),
-              ("steps", 0, mc.timesteps), ("guidance", 0, 100), ("eta", 0, 1), ("percentile", 1e-6, 1),
-              ("seed", 0, 2**63 - 1), ("strata", 0, mc.timesteps - 1), ("label", -1, top),
-              ("fid_ref_images", 0, shards.MAX_IMAGES))
+    bounds = (("n", 1 + (args.eval == "fid"), shards.MAX_IMAGES), ("batch", 0, 2**16), ("eta", 0, 1),
+              ("shard_size", 0, shards.MAX_IMAGES), ("steps", 0, mc.timesteps), ("guidance", 0, 100),
+              ("percentile", 1e-6, 1), ("seed", 0, 2**63 - 1), ("strata", 0, mc.timesteps - 1),
+              ("label", -1, top), ("fid_ref_images", 0, shards.MAX_IMAGES))
+    why = {"label": f" (the model has {mc.num_classes} classes; -1 cycles)",
+           "n": "; FID needs at least 2 (a covariance)" if args.eval == "fid" else ""}
     for name, lo, hi in bounds:
-        if not lo <= getattr(args, name) <= hi:  # NaN fails every comparison
-            classes = f" (the model has {mc.num_classes} classes; -1 cycles)" if name == "label" else ""
-            raise UserError(f"--{name} {getattr(args, name)} is out of range: [{lo}, {hi}]{classes}")
+        if not lo <= (value := getattr(args, name)) <= hi:  # NaN fails every comparison
+            raise UserError(f"--{name} {value} is out of range: [{lo}, {hi}]{why.get(name, '')}")
     if world > 1 and (args.export_diffusers or args.eval == "bpd"):
         raise UserError("--export_diffusers and --eval bpd run in one process: start them without torchrun")
     if not args.export_diffusers:  # the outputs are checked before any sampling
@@ -356,10 +357,9 @@ def finish(args, plan, record, reference, device):
               if reference is not None else record)
     path = write_json(result, args.out)
     if reference is not None:
-        extra = "".join(f", {k} {result[k]:.4f}" for k in ("inception_score", "precision", "recall")
-                        if result.get(k) is not None)
         fid = f"{result['fid']:.3f}" if result["fid"] is not None else "not a number"
-        print(f"FID {fid} ({args.n} samples vs {result['reference']}){extra}; wrote {path}")
+        print(f"FID {fid} ({args.n} samples vs {result['reference']}){evaluate.other_scores(result)}; "
+              f"wrote {path}")
     if not args.keep_shards:
         shards.remove(plan)
     return result

@@ -153,8 +153,9 @@ def checkpoint_records(model, ckpt, ckpt_high="", post_hoc_ema=None):
                 step = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("step")
         out.append({"path": os.path.abspath(path), "step": step, "sha256": weights_sha256(net),
                     "weights": "diffusers folder (as published)" if diffusers_io.is_folder(path) else "EMA"})
-    if post_hoc_ema:
-        out[0].update(weights="post-hoc EMA (phema.py)", post_hoc_ema=post_hoc_ema)
+    if post_hoc_ema:  # with model splitting, both experts are rebuilt (sample.py): each record says so
+        for record in out:
+            record.update(weights="post-hoc EMA (phema.py)", post_hoc_ema=post_hoc_ema)
     return out
 
 

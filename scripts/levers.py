@@ -31,6 +31,7 @@ if ROOT not in sys.path:
 
 import ddpm  # noqa: E402
 import files  # noqa: E402
+import runs  # noqa: E402
 from errors import UserError, reported  # noqa: E402
 
 # the CPU study's base: Ho et al.'s network shape scaled to 2 CPU cores (2x2 patches, 3 levels, 6.5M
@@ -89,6 +90,11 @@ def parse(argv):
         raise UserError("give --data_dir: the image folder the study trains on (CIFAR-10's train/)")
     if "base" not in arms:
         arms = {"base": "", **arms}  # every arm is read against the base
+    for what, flags in [("--base ", args.base), *((f"--arm {n}=", f) for n, f in arms.items())]:
+        try:
+            shlex.split(flags)
+        except ValueError as e:  # an unclosed quote
+            raise UserError(f"{what}{flags!r}: {e} (flags are split as a shell splits them)") from None
     return args, arms
 
 
@@ -108,13 +114,20 @@ def run_argv(args, flags, seed, out_dir):
 
 
 def finished(out_dir, steps, metric):
-    """The evaluation row at the run's last step, or None."""
-    path = os.path.join(out_dir, "metrics.jsonl")
-    if not files.is_regular(path):
-        return None
-    with files.open_regular(path, "r") as f:  # the study's own run folders, written by ddpm.py
-        rows = [json.loads(line) for line in f if line.strip()]
+    """The evaluation row at the run's last step, or None. metrics.jsonl is read as ddpm.py reads it back
+    (runs.read_metrics): a line cut by a crash, or one that is not a JSON object, is skipped."""
+    rows, _ = runs.read_metrics(out_dir)
     return next((r for r in rows if r.get("step") == steps and metric in r), None)
+
+
+def unusable(row, metric):
+    """Why a finished run's evaluation row cannot enter the table, or None: its metric (a NaN is logged as
+    null), wall_s and eval_s must be finite numbers, the times >= 0."""
+    for key in (metric, "wall_s", "eval_s"):
+        v = row.get(key)
+        if not (type(v) in (int, float) and math.isfinite(v) and (key == metric or v >= 0)):
+            return f"its {key} is {json.dumps(v)[:40] if key in row else 'missing'}"
+    return None
 
 
 def run(argv, out_dir, steps, metric, name):
@@ -182,13 +195,17 @@ def main(argv=None):
             os.makedirs(args.out, exist_ok=True)
         plans = {name: [run_argv(args, flags, seed, os.path.join(args.out, f"{name}-s{seed}"))
                         for seed in range(args.seeds)] for name, flags in arms.items()}
-        rows, missing = {name: [] for name in arms}, []
+        rows, missing, left_out = {name: [] for name in arms}, [], []
         for seed in range(args.seeds):  # seed 0 of every arm, then seed 1 of every arm, ...
-            for name, runs in plans.items():
-                (argv, steps), out_dir = runs[seed], os.path.join(args.out, f"{name}-s{seed}")
+            for name, planned in plans.items():
+                (argv, steps), out_dir = planned[seed], os.path.join(args.out, f"{name}-s{seed}")
                 row = finished(out_dir, steps, metric) if args.report else \
                     run(argv, out_dir, steps, metric, f"{name} seed {seed}")
-                if row is None:
+                why = unusable(row, metric) if row is not None else None
+                if why:  # finished, but not with a number the table can hold: said, never run again
+                    print(f"note: {out_dir} finished, but {why}: left out of the table", flush=True)
+                    left_out.append(f"{name}-s{seed} ({why})")
+                elif row is None:
                     missing.append(f"{name}-s{seed}")
                 else:
                     rows[name].append(row)
@@ -201,11 +218,13 @@ def main(argv=None):
         if missing:
             text += (f"\nNot finished yet ({len(missing)} of {len(arms) * args.seeds} runs): "
                      f"{', '.join(missing)}\n")
+        if left_out:
+            text += f"\nLeft out ({len(left_out)} runs): {', '.join(left_out)}\n"
         with files.created(os.path.join(args.out, "levers.md"), "w") as f:
             f.write(text)
         with files.created(os.path.join(args.out, "levers.json"), "w") as f:
             json.dump({"base": args.base, "kimg": args.kimg, "metric": metric, "arms": results,
-                       "not_finished": missing}, f, indent=2)
+                       "not_finished": missing, "left_out": left_out}, f, indent=2)
         print(text, end="")
         return results
 

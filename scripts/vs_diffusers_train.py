@@ -85,13 +85,17 @@ def parse(argv):
                    "$DDPM_INCEPTION_WEIGHTS, else torch.hub's cache); found before anything trains")
     p.add_argument("--out", required=True, help="the comparison's folder")
     args = p.parse_args(argv)
-    if not (1 <= args.seeds <= 100 and 1 <= args.epochs <= 10**4 and 1 <= args.fid_samples <= 10**6):
-        raise UserError("--seeds must lie in [1, 100], --epochs in [1, 1e4] and --fid_samples in [1, 1e6]")
+    if not (1 <= args.seeds <= 100 and 1 <= args.epochs <= 10**4 and 2 <= args.fid_samples <= 10**6):
+        raise UserError("--seeds must lie in [1, 100], --epochs in [1, 1e4] and --fid_samples in [2, 1e6] "
+                        "(FID needs 2 samples or more)")
     for name in ("peer_python", "peer_script"):  # the user's own files: a link is the user's choice
         if not os.path.isfile(getattr(args, name)):
             raise UserError(f"--{name} {getattr(args, name)}: no such file")
     argv = [*shlex.split(args.ours), *shlex.split(args.network), f"--data_dir={args.data_dir}"]
     mc, tc = ddpm.parse_args(argv)[:2]  # bad flags are refused here, before anything runs
+    if not 1 <= args.sample_steps <= mc.timesteps:
+        raise UserError(f"--sample_steps {args.sample_steps} must lie in [1, {mc.timesteps}] (the network's "
+                        "timesteps)")
     if tc.dataset != "folder" or tc.grad_accum_steps != 1:
         raise UserError("--ours: the comparison trains on --data_dir as an image folder "
                         "('--dataset=folder'), one batch per step")
@@ -123,6 +127,11 @@ class Record:
             self.done = saved.get("done")
             if not isinstance(self.done, dict):
                 raise UserError(f"{self.path}: not this script's record (no 'done' table); move it away")
+            for name, entry in self.done.items():
+                why = unusable(name, entry, out)
+                if why:
+                    raise UserError(f"{self.path}: its entry {name!r} is not what this script writes "
+                                    f"({why}): remove that entry, and the step is run again")
 
     def step(self, name, work):
         """work() -> a dict, unless `name` has finished before."""
@@ -133,6 +142,32 @@ class Record:
             with files.created(self.path, "w") as f:
                 json.dump({"settings": self.settings, "done": self.done}, f, indent=2)
         return self.done[name]
+
+
+def unusable(name, entry, out):
+    """Why a finished step read back from the record cannot be used, or None: its times are seconds in
+    [1 ms, 1e7 s], its FID a finite number (a NaN FID, written as null, is no result), its models in --out."""
+    if not isinstance(entry, dict):
+        return "not a table"
+    number = lambda v, lo, hi: type(v) in (int, float) and lo <= v <= hi  # noqa: E731  (NaN fails)
+    times = {"caches": ("ours", "theirs"), "network": ("s",)}.get(name, ("wall_s",) * ("-fid" not in name))
+    for key in times:
+        if not number(entry.get(key), 1e-3, 1e7):
+            return f"{key} {json.dumps(entry.get(key))[:40]}, not a time in seconds"
+    if name.endswith("-fid") and not number(entry.get("fid"), -1, 1e6):
+        return f"fid {json.dumps(entry.get('fid'))[:40]}: no FID (a NaN is written as null)"
+    if name.endswith("-fid") and not (type(entry.get("n")) is int and entry["n"] >= 2):
+        return f"n {json.dumps(entry.get('n'))[:40]}"
+    if name.endswith("-fid") or name in ("caches", "network"):
+        return None
+    if name.startswith("ours") and not (type(entry.get("steps")) is int and entry["steps"] >= 1):
+        return f"steps {json.dumps(entry.get('steps'))[:40]}"
+    for key in ("model", "continued")[:1 + ("continued" in entry)]:
+        model = entry.get(key)
+        root = os.path.abspath(out)
+        if not isinstance(model, str) or os.path.commonpath([root, os.path.abspath(model)]) != root:
+            return f"{key} {json.dumps(model)[:60]}, not a model in {out}"
+    return None
 
 
 def timed(cmd, name, env=None):
@@ -190,14 +225,22 @@ def score_argv(args, tc, model, out):
 
 
 def read_fid(out):
-    """The FID in the <out>.json that sample.py --eval fid wrote just now."""
-    with files.open_regular(os.path.splitext(out)[0] + ".json", "r") as f:
-        return json.load(f)["fid"]
+    """The FID in the <out>.json that sample.py --eval fid wrote just now (None where it holds none)."""
+    try:
+        with files.open_regular(os.path.splitext(out)[0] + ".json", "r") as f:
+            result = json.load(f)
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot read {os.path.splitext(out)[0]}.json ({type(e).__name__})") from None
+    return result.get("fid") if isinstance(result, dict) else None
 
 
 def score(args, tc, model, out, name):
     timed([sys.executable, os.path.join(ROOT, "sample.py"), *score_argv(args, tc, model, out)], name)
-    return {"fid": read_fid(out), "n": args.fid_samples}
+    row = {"fid": read_fid(out), "n": args.fid_samples}
+    why = unusable("-fid", row, args.out)  # a NaN FID (its samples diverged) is no result for the table
+    if why:
+        raise UserError(f"{name}: {why}; see {os.path.splitext(out)[0]}.json")
+    return row
 
 
 def comparisons(equal_wall):

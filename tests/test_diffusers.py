@@ -188,7 +188,7 @@ def test_configs_our_unet_cannot_express_are_one_line(tmp_path, capsys, file, ch
     (["--ckpt", "{d}/hub", "--eval", "bpd"], "needs --dataset"),  # a folder records no training data
     (["--ckpt", "{d}/hub", "--eval", "fid"], "needs --dataset"),
     (["--ckpt", "{d}/missing"], "no checkpoint at"),
-    (["--ckpt", "{d}", "--export_diffusers", "{d}/out"],
+    (["--ckpt", "{d}/plain", "--export_diffusers", "{d}/out"],  # a folder with no ema.pt and no config.json
      "neither a run's checkpoint nor a diffusers model folder"),
     (["--ckpt", "{d}/cond.pt", "--export_diffusers", "{d}/out"], "cannot express num_classes=4"),
     (["--ckpt", "{d}/ema.pt", "--export_diffusers", "{d}/ema.pt"], "exists and is not an empty folder"),
@@ -197,6 +197,7 @@ def test_bad_folders_and_exports_are_one_line(tmp_path, capsys, args, needle):
     save_ema(UNet(wide()), wide(), tmp_path / "ema.pt")
     save_ema(UNet(wide(num_classes=4)), wide(num_classes=4), tmp_path / "cond.pt")
     diffusers_io.write(str(tmp_path / "hub"), UNet(wide()), wide())
+    (tmp_path / "plain").mkdir()
     with pytest.raises(SystemExit) as e:
         sample.main([a.format(d=tmp_path) for a in args])
     err = capsys.readouterr().err

@@ -291,12 +291,20 @@ def test_an_out_dir_through_a_file_is_one_line(tmp_path):
         train(tiny_model(), tiny_trainer(tmp_path / "file" / "run", max_steps=1), preset="test")
 
 
-def test_a_damaged_fid_statistics_cache_is_one_line(tmp_path):
-    ref = {"mu": np.zeros(4), "sigma": np.eye(4), "features": np.zeros((2, 4)), "n": np.array(2)}
-    path = tmp_path / (data.beton_name("shapes", "", 16, 64, True).replace(".beton", "-fake.npz"))
+def test_a_damaged_fid_statistics_cache_is_computed_again(tmp_path, capsys):
+    """A cache is a cache (issue 53): one written by hand (no checksum, no settings) or cut short is computed
+    again, with a note, and replaced."""
+    from test_fid import TinyFeatures
+
+    ref = {"mu": np.zeros(16), "sigma": np.eye(16), "features": np.zeros((2, 16)), "n": np.array(2)}
+    path = tmp_path / (data.beton_name("shapes", "", 16, 64, True).replace(".beton", "-tiny.npz"))
     np.savez(path, **ref)
-    extractor = type("fake", (), {"name": "fake"})()
-    assert fid.reference_stats(extractor, "shapes", "", 16, 64, "cpu", cache_dir=str(tmp_path))["n"] == 2
+    extractor = TinyFeatures()
+    assert fid.reference_stats(extractor, "shapes", "", 16, 64, "cpu", cache_dir=str(tmp_path))["n"] == 64
+    assert extractor.calls > 0 and "computed again" in capsys.readouterr().out
     path.write_bytes(path.read_bytes()[:100])
-    with pytest.raises(UserError, match="not readable FID reference statistics"):
-        fid.reference_stats(extractor, "shapes", "", 16, 64, "cpu", cache_dir=str(tmp_path))
+    assert fid.reference_stats(extractor, "shapes", "", 16, 64, "cpu", cache_dir=str(tmp_path))["n"] == 64
+    assert "computed again" in capsys.readouterr().out
+    calls = extractor.calls
+    fid.reference_stats(extractor, "shapes", "", 16, 64, "cpu", cache_dir=str(tmp_path))
+    assert extractor.calls == calls  # the rewritten cache is read

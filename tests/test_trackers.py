@@ -94,9 +94,11 @@ def test_wandb_offline_writes_its_run_files_and_resumes_the_same_run(tmp_path):
         p = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
         assert p.returncode == 0 and "warning" not in p.stdout, p.stdout + p.stderr  # the grid went too
     run_id = (out / "wandb-id").read_text().strip()
-    folders = [d for d in os.listdir(out / "wandb") if d.startswith("offline-run")]
-    assert folders and all(d.endswith(run_id) for d in folders)
-    assert any(f.endswith(".wandb") for d in folders for f in os.listdir(out / "wandb" / d))
+    starts = [out / "wandb" / s / "wandb" for s in os.listdir(out / "wandb")]  # a folder of its own a start
+    assert len(starts) == 2 and all(s.parent.name.startswith("start-") for s in starts)
+    folders = [s / d for s in starts for d in os.listdir(s) if d.startswith("offline-run")]
+    assert folders and all(d.name.endswith(run_id) for d in folders)
+    assert any(f.endswith(".wandb") for d in folders for f in os.listdir(d))
 
 
 def test_wandb_without_a_login_is_one_line(tmp_path, capsys, monkeypatch):
