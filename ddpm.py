@@ -159,7 +159,8 @@ class TrainerConfig:  # the run
     ema_warmup: bool = True                             # ramp the EMA decay as min(ema_decay,
                                                         # (1+step)/(10+step))
     ema_sigma_rels: tuple[float, ...] = (0.05, 0.10)    # post-hoc EMA (phema.py): the relative widths of
-                                                        # the power-function EMAs tracked, each in (0, 0.28)
+                                                        # the power-function EMAs tracked, each in [1e-4,
+                                                        # 0.2887)
     ema_snapshot_kimg: int = ranged(5000, 0, 10**7)     # thousand images between their snapshots in
                                                         # <run>/phema (and one at the end); 0 = off
     ema_eval_widths: tuple[float, ...] = (0.03, 0.05, 0.075, 0.1, 0.15)  # with both: the FID of each width,
