@@ -49,13 +49,10 @@ import torch
 
 import data
 import ddpm
-import errors
-import files
-import group
-import mfu
-import runs
 import sampling
+import unet
 from ladder import TYPICAL_TRANSFORM, InMemoryPIL, free_memory, ladder, repatched
+from machinery import errors, files, group, mfu, runs
 
 # -----------------------------------------------------------------------------
 # The loader benchmark (--loaders): FFCV against the torch DataLoader
@@ -152,7 +149,7 @@ def sampling_table(mc, tc, device, patch_sizes, batch, steps):
         free_memory(device)
         row = {"patch_size": q, "batch": batch, "sampler": tc.sampler, "steps": steps or mcq.timesteps,
                "guidance": tc.guidance, "threshold": tc.threshold, "autocast": precision, **speed,
-               "gflop_per_image": mfu.forward_flops_per_image(mcq) * speed["nfe_per_image"] / 1e9}
+               "gflop_per_image": mfu.forward_flops_per_image(unet.UNet, mcq) * speed["nfe_per_image"] / 1e9}
         rows.append(row)
         print(f"P = {q}: {row['img_per_s']:.3g} img/s, {row['s_per_img']:.3g} s/image, "
               f"{row['gflop_per_image']:,.1f} GFLOP/image", flush=True)
@@ -239,8 +236,8 @@ def parser():
     p.add_argument("--sample", action="store_true",
                    help="instead of the ladder: sampling speed at each of --patch_sizes, as sample.py has it")
     p.add_argument("--patch_sizes", default="1,2,4,8", help="--sample: the patch sizes Q, comma-separated")
-    p.add_argument("--sample_batch", type=int, default=0, help="--sample: images per batch; 0 = 64 on a GPU, "
-                                                                "2 on the CPU")
+    p.add_argument("--sample_batch", type=int, default=0,
+                   help="--sample: images per batch; 0 = 64 on a GPU, 2 on the CPU")
     p.add_argument("--sample_steps", type=int, default=-1,
                    help="--sample: sampler steps; 0 = all T; -1 = the preset's sample_steps")
     return p

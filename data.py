@@ -33,10 +33,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-import beton
-import files
-import group
-from errors import UserError, reported
+from machinery import beton, files, group
+from machinery.errors import UserError, reported
+from machinery.progress import Progress
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 SHAPE_CLASSES = ("circle", "square", "triangle", "diamond")  # label order of the 'shapes' dataset
@@ -221,17 +220,19 @@ def image_folder(root, image_size, listing=None):
     has_classes = all(len(p) > 1 for p in parts)
     classes = sorted({p[0] for p in parts}) if has_classes else []
     images, labels, corrupt = [], [], 0
-    for (rel, _, _), p in zip(listing.files, parts):
-        try:
-            with files.open_regular(os.path.join(root, rel)) as f, Image.open(f) as im:
-                if im.width * im.height > MAX_DECODE_PIXELS:  # read from the header, before any decoding
-                    raise ValueError(f"{im.width}x{im.height} pixels")
-                arr = to_rgb8(im)
-            images.append(resize_center_crop(torch.from_numpy(arr).permute(2, 0, 1)[None], image_size))
-        except Exception:  # not an image, truncated, unreadable, no longer a regular file, too large
-            corrupt += 1
-            continue
-        labels.append(classes.index(p[0]) if has_classes else 0)
+    with Progress(f"decoding folder {root}", len(listing.files)) as bar:  # minutes for a large folder
+        for (rel, _, _), p in zip(listing.files, parts):
+            try:
+                with files.open_regular(os.path.join(root, rel)) as f, Image.open(f) as im:
+                    if im.width * im.height > MAX_DECODE_PIXELS:  # from the header, before any decoding
+                        raise ValueError(f"{im.width}x{im.height} pixels")
+                    arr = to_rgb8(im)
+                images.append(resize_center_crop(torch.from_numpy(arr).permute(2, 0, 1)[None], image_size))
+            except Exception:  # not an image, truncated, unreadable, no longer a regular file, too large
+                corrupt += 1
+            else:
+                labels.append(classes.index(p[0]) if has_classes else 0)
+            bar.update()
     if listing.note():
         print(listing.note())
     if not images:

@@ -9,10 +9,10 @@
 This file holds the method, in four numbered sections read top to bottom: 1. the two configs with their
 ranges, presets and CLI; 2. the diffusion maths (Diffusion: the forward process and the loss), sample() and
 the samplers, one function each in the SAMPLERS table; 3. build() and the one training iteration that
-benchmark.py measures too; 4. the training loop. The machinery sits beside it (README.md's file table):
-runs.py (the run folder, devices, preemption), checkpoints.py, group.py (torchrun), cli.py, mfu.py (FLOPs,
-peaks, timing), data.py and beton.py, evaluate.py and fid.py, diffusers_io.py, and unet.py, the network,
-which knows nothing of the noise schedule.
+benchmark.py measures too; 4. the training loop. Beside it stand unet.py, the network, which knows nothing
+of the noise schedule, data.py and evaluate.py; below them the machinery/ package (README.md's file table):
+runs (the run folder, devices, preemption), checkpoints, group (torchrun), cli, mfu (FLOPs, peaks, timing),
+beton, fid, phema (post-hoc EMA), diffusers_io.
 
 Measured (2026-12-03, torch 2.14.1): the demo preset learns recognisable 16x16 shapes in 1 min 45 s on
 2 AVX512-BF16 CPU cores (bf16, 375 img/s). No GPU figures yet: BENCHMARKS.md.
@@ -31,21 +31,13 @@ from typing import Literal
 
 import torch
 
-import checkpoints
-import cli
 import data
-import diffusers_io
 import evaluate
-import fid
-import files
-import group
-import mfu
-import phema
-import runs
 import unet
 from data import make_loader
-from cli import chosen, ranged
-from errors import RUN_STOPPED, UserError, first_line, reported
+from machinery import checkpoints, cli, diffusers_io, fid, files, group, mfu, phema, runs
+from machinery.cli import chosen, ranged
+from machinery.errors import RUN_STOPPED, UserError, first_line, reported
 from unet import UNet
 
 # -----------------------------------------------------------------------------
@@ -158,13 +150,14 @@ class TrainerConfig:  # the run
                                                         # of the model
     ema_warmup: bool = True                             # ramp the EMA decay as min(ema_decay,
                                                         # (1+step)/(10+step))
-    ema_sigma_rels: tuple[float, ...] = (0.05, 0.10)    # post-hoc EMA (phema.py): the relative widths of
-                                                        # the power-function EMAs tracked, each in [1e-4,
-                                                        # 0.2887)
+    ema_sigma_rels: tuple[float, ...] = (0.05, 0.10)    # post-hoc EMA (machinery/phema.py): the σ_rel
+                                                        # (relative width) of each power-function EMA
+                                                        # tracked, each in [1e-4, 0.2887)
     ema_snapshot_kimg: int = ranged(5000, 0, 10**7)     # thousand images between their snapshots in
                                                         # <run>/phema (and one at the end); 0 = off
-    ema_eval_widths: tuple[float, ...] = (0.03, 0.05, 0.075, 0.1, 0.15)  # with both: the FID of each width,
-                                                        # rebuilt, at the end, and the best; empty: none
+    ema_eval_sigma_rels: tuple[float, ...] = (0.03, 0.05, 0.075, 0.1, 0.15)  # with both: each σ_rel's
+                                                        # weights rebuilt at the end into <run>/ema-sigma_rel
+                                                        # <σ_rel>.pt, its FID, the best; empty: none
     hflip: bool = True                                  # random horizontal flips
     precision: Literal["auto", "bf16", "fp16", "tf32", "fp32"] = "auto"  # bf16 / fp16 (+ loss scaling)
                                                         # autocast, fp32 with TF32, true fp32; auto = bf16
@@ -258,7 +251,7 @@ PRESETS = {
                       eval_sampler="heun", eval_sample_steps=18, sampler="heun", sample_steps=18),
     # CIFAR-10 on 2 CPU cores, ~2 h with its FID curve: scripts/levers.py's base and its lever (README.md)
     "cifar-cpu": dict(base_channels=32, num_res_blocks=1, norm_groups=16, batch_size=64, lr=5e-4,
-                      warmup_steps=200, ema_decay=0.999, ema_snapshot_kimg=40, ema_eval_widths=(),
+                      warmup_steps=200, ema_decay=0.999, ema_snapshot_kimg=40, ema_eval_sigma_rels=(),
                       max_steps=6250, eval_every_steps=1563, eval_fid_samples=5000, fid_ref_images=10_000,
                       eval_bpd_images=0, sample_every_steps=0, ckpt_every_steps=1000, sampler="dpm++",
                       sample_steps=20, compile="false", loader="torch"),
@@ -267,7 +260,7 @@ PRESETS = {
     # two blocks a level (8.95M parameters, 9.6 GFLOP per image), sized so that ~15% MFU on an H100 trains
     # ~3.5 Mimg in the 4 minutes left after compiling; the rest from the CPU lever studies (BENCHMARKS.md)
     "speedrun": dict(base_channels=64, num_res_blocks=2, dropout=0.0, batch_size=512, lr=1e-3,
-                     warmup_steps=200, ema_decay=0.999, ema_snapshot_kimg=500, ema_eval_widths=(),
+                     warmup_steps=200, ema_decay=0.999, ema_snapshot_kimg=500, ema_eval_sigma_rels=(),
                      max_steps=200_000, time_budget_min=5, loader="resident", compile="true",
                      compile_mode="reduce-overhead", sample_every_steps=0, ckpt_every_steps=0, sampler="heun",
                      sample_steps=18, eval_sampler="heun", eval_sample_steps=18),
@@ -339,9 +332,9 @@ def validate(mc, tc=None):
     check(tc.eval_fid_samples != 1, "eval_fid_samples must be 0 or >= 2 (a covariance needs two samples)")
     check(not tc.eta or any(SAMPLERS[s].eta is not None for s in (tc.sampler, tc.eval_sampler)),
           f"eta {tc.eta}: neither sampler ({tc.sampler}, eval_sampler {tc.eval_sampler}) takes an eta")
-    for name, least in (("ema_sigma_rels", 1), ("ema_eval_widths", 0)):
+    for name, least in (("ema_sigma_rels", 1), ("ema_eval_sigma_rels", 0)):
         if tc.ema_snapshot_kimg:  # distinct, each in [phema.SIGMA_REL_MIN, SIGMA_REL_MAX): before any work
-            phema.check_widths(getattr(tc, name), name, least, 8)
+            phema.check_sigma_rels(getattr(tc, name), name, least, 8)
     check(tc.lr_schedule != "rsqrt" or tc.lr_decay_steps >= tc.warmup_steps,
           f"lr_decay_steps {tc.lr_decay_steps} must be >= warmup_steps {tc.warmup_steps} (rsqrt decays after "
           "the warm-up)")
@@ -438,8 +431,8 @@ class Diffusion(torch.nn.Module):
             "c_in": (sigma**2 + sd**2).rsqrt(),
             "c_skip": sd**2 / (sigma**2 + sd**2),
             "c_out": sigma * sd * (sigma**2 + sd**2).rsqrt(),
-            "posterior_variance": (1 - torch.cat([torch.ones(1, dtype=torch.float64), alpha_bar[:-1]]))
-                                  / (1 - alpha_bar) * betas,   # β̃_t = (1 - ᾱ_{t-1}) / (1 - ᾱ_t) β_t (eq. 7)
+            "posterior_variance": ((1 - torch.cat([torch.ones(1, dtype=torch.float64), alpha_bar[:-1]]))
+                                   / (1 - alpha_bar) * betas),  # β̃_t = (1 - ᾱ_{t-1}) / (1 - ᾱ_t) β_t (eq. 7)
         }
         for name, value in buffers.items():
             self.register_buffer(name, value, persistent=False)
@@ -585,6 +578,7 @@ class Diffusion(torch.nn.Module):
     def q_posterior_mean_variance(self, x0, z, t):
         """q(x_{t-1} | x_t, x_0) for a batch of timesteps t: (B,)  (Ho et al. eq. 7)."""
         return self.q_posterior(x0, z, extract(self.alpha_bar, t, z), extract(self.alpha_bar_prev, t, z))
+
     def timestep_sequence(self, steps=None, spacing="time"):
         """Descending timesteps to sample with: all T, or `steps` of them from T-1 to 0, spaced evenly in t
         ('time'), in λ = log(α/σ) = ½ log SNR ('logsnr', Lu et al. 2022's choice for pixel-space
@@ -942,11 +936,11 @@ def load_ema(path, device):
     or ema.pt, or from a diffusers model or pipeline folder (diffusers_io); bad input raises UserError."""
     if diffusers_io.is_folder(path):
         try:
-            fields, state, notes = diffusers_io.read(path)
+            fields, state, notes = diffusers_io.read(path, unet)
             mc = ModelConfig(**fields)
             validate(mc)
             model = UNet(mc)
-            diffusers_io.check(model, path)
+            diffusers_io.check(model, path, unet)
             unet.load_diffusers_state_dict(model, state)
         except ValueError as e:
             raise UserError(f"{path}: {e}") from None
@@ -1054,7 +1048,7 @@ def set_up(mc, tc, preset):
     rank, world, device = runs.distributed_setup(tc)
     say = print if rank == 0 else (lambda *args, **kwargs: None)
     built_in = data.DATASETS[tc.dataset].reads == "built-in"  # its images are counted before any is made
-    runs.check_fits(mc, tc, device, world, tc.shapes_count if built_in else 0)
+    runs.check_fits(UNet, mc, tc, device, world, tc.shapes_count if built_in else 0)
     runs.check_trackers(tc.log_to)  # a tracker missing, or wandb without a login: before the run folder
     if data.DATASETS[tc.dataset].reads == "folder":
         data.with_images(tc.data_dir)  # an empty image folder: before the run folder
@@ -1084,7 +1078,7 @@ def set_up(mc, tc, preset):
     if tc.resume:
         ckpt, path = checkpoints.load_resume_checkpoint(out_dir, device)
         step = checkpoints.restore(ckpt, path, mc, b.model, b.ema, b.opt, loader, world, b.scaler,
-                            data_settings(mc, tc), tc.resume_new_data)
+                                   data_settings(mc, tc), tc.resume_new_data)
         skipped = ckpt.get("nonfinite_skipped", 0)
         if b.phema:
             b.phema.load_state_dict(ckpt.get("phema"), path)
@@ -1094,7 +1088,7 @@ def set_up(mc, tc, preset):
                  if tc.eval_every_steps else None)
     peak, peak_source = mfu.peak_flops(device, b.precision)
     return Run(rank, world, device, out_dir, loader, b, step, skipped, evaluator,
-               mfu.train_flops_per_image(mc, tc.attention) * tc.batch_size, peak, peak_source)
+               mfu.train_flops_per_image(UNet, mc, tc.attention) * tc.batch_size, peak, peak_source)
 
 
 def record(run, mc, tc, preset):
@@ -1119,7 +1113,7 @@ def record(run, mc, tc, preset):
     if b.phema:
         count = tc.max_steps * tc.batch_size // (tc.ema_snapshot_kimg * 1000) + 1
         most = "at most " if tc.time_budget_min else ""  # the clock may end the run sooner
-        print(f"post-hoc EMA: widths {', '.join(map(str, tc.ema_sigma_rels))} snapshotted every "
+        print(f"post-hoc EMA: σ_rel {', '.join(map(str, tc.ema_sigma_rels))} snapshotted every "
               f"{tc.ema_snapshot_kimg} kimg and at the end: {most}{count} snapshots, about "
               f"{count * b.phema.size_bytes() / 2**30:.2f} GiB in {os.path.join(run.out_dir, phema.FOLDER)}")
 
@@ -1154,9 +1148,9 @@ def save_samples(run, mc, tc, step):
     y = (mine % mc.num_classes).to(run.device) if mc.num_classes > 0 else None
     g = torch.Generator().manual_seed(tc.seed + rank)  # the same noise every time: comparable grids
     x = sample(b.diffusion, autocast_model(b.ema, run.device, b.precision),
-                           (len(mine), mc.channels, mc.image_size, mc.image_size), sampler=tc.sampler,
-                           steps=tc.sample_steps or None, y=y, guidance=tc.guidance, threshold=tc.threshold,
-                           eta=tc.eta, generator=g)
+               (len(mine), mc.channels, mc.image_size, mc.image_size), sampler=tc.sampler,
+               steps=tc.sample_steps or None, y=y, guidance=tc.guidance, threshold=tc.threshold,
+               eta=tc.eta, generator=g)
     x = group.gather_rows(x)
     if rank == 0:
         path = os.path.join(run.out_dir, f"samples_{step:07d}.png")
@@ -1190,23 +1184,30 @@ def off_the_clock(run, mc, tc, step, last_step, start_step, t_start, save_checkp
             runs.log_row(run.out_dir, row, run.trackers)
             runs.plot_curves(run.out_dir)
         say(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
-        if last_step and b.phema and tc.eval_fid_samples and tc.ema_eval_widths:
+        if last_step and b.phema and tc.eval_fid_samples and tc.ema_eval_sigma_rels:
             ema_sweep(run, tc, step, say)  # the run's last act: nothing of the budget is left to pause
 
 
 def ema_sweep(run, tc, step, say):
-    """At the end of a run with post-hoc EMA and FID: each of ema_eval_widths rebuilt from the snapshots and
-    scored on the evaluations' fixed noise; one metrics row with every FID and the best width."""
+    """At the end of a run with post-hoc EMA and FID: the weights of each of ema_eval_sigma_rels rebuilt from
+    the snapshots (phema.rebuilt_weights), written as `python -m machinery.phema` writes them, to
+    <run>/ema-sigma_rel<σ_rel>.pt, and scored on the evaluations' fixed noise; one metrics row with every FID
+    and the best."""
     b, fids, net = run.built, {}, copy.deepcopy(run.built.ema)
     group.barrier()  # rank 0 has written the last snapshots
-    for width in tc.ema_eval_widths:
-        phema.load_rebuilt(net, run.out_dir, width)
-        fids[str(width)] = run.evaluator(autocast_model(net, run.device, b.precision), net, bpd=False)["fid"]
+    for sigma_rel in tc.ema_eval_sigma_rels:
+        weights = phema.rebuilt_weights(run.out_dir, sigma_rel)
+        if run.rank == 0:
+            phema.write_weights(run.out_dir, sigma_rel, weights)
+        net.load_state_dict(weights["ema"])
+        scored = run.evaluator(autocast_model(net, run.device, b.precision), net, bpd=False)
+        fids[phema.sigma_rel_name(sigma_rel)] = scored["fid"]
     best = min(fids, key=lambda w: fids[w] if fids[w] is not None else math.inf)  # NaN: logged as None
     if run.rank == 0:
-        runs.log_row(run.out_dir, {"step": step, **{f"fid_ema_{w}": f for w, f in fids.items()},
-                                   "best_ema_sigma_rel": float(best)}, run.trackers)
-    say(f"post-hoc EMA at the end: FID {fids} by width; best {best}")
+        runs.log_row(run.out_dir, {"step": step, **{f"fid_sigma_rel_{w}": f for w, f in fids.items()},
+                                   "best_sigma_rel": float(best)}, run.trackers)
+    say(f"post-hoc EMA at the end: FID by σ_rel {fids}; best {best}, its weights "
+        f"{phema.weights_path(run.out_dir, float(best))}")
 
 
 def due(every, step):

@@ -30,10 +30,10 @@ import zipfile
 import numpy as np
 import torch
 
-import fid
-import files
-import group
-from errors import UserError, first_line, reported
+import data
+from machinery import fid, files, group
+from machinery.errors import UserError, first_line, reported
+from machinery.progress import Progress
 
 # -----------------------------------------------------------------------------
 # Bits/dim: the variational bound of a Diffusion's model on held-out images
@@ -129,25 +129,21 @@ def discretized_gaussian_log_likelihood(x, mean, var):
 def held_out_bits(diffusion, model, images, labels, num_classes, device, batch, strata=0, threshold="static",
                   generator=None, progress=False):
     """Bits/dim of uint8 images, batch by batch, in fp32/fp64: the exact bound (strata = 0) or its
-    stratified estimate. -> (bits per image (N,) on the CPU, the estimator's summed variance). progress: a bar
-    with the time left, on a terminal only."""
-    from tqdm import tqdm
-
+    stratified estimate. -> (bits per image (N,) on the CPU, the estimator's summed variance). progress: how
+    far it is, with the time left (Progress: a bar on a terminal, lines in a log)."""
     bits, est_var = [], 0.0
-    bar = tqdm(total=len(images), desc="bits/dim", unit="img", disable=None if progress else True,
-               leave=False)
-    for start in range(0, len(images), batch):
-        x0 = images[start : start + batch].to(device).double() / 127.5 - 1
-        y = labels[start : start + batch].to(device) if num_classes > 0 else None
-        if strata:
-            b, se = bpd_estimate(diffusion, model, x0, y, strata=strata, threshold=threshold,
-                                 generator=generator)
-            est_var += (se**2).sum().item()
-        else:
-            b = bpd(diffusion, model, x0, y, threshold=threshold, generator=generator)
-        bits.append(b.cpu())
-        bar.update(len(x0))
-    bar.close()
+    with Progress("bits/dim" if progress else None, len(images)) as bar:
+        for start in range(0, len(images), batch):
+            x0 = images[start : start + batch].to(device).double() / 127.5 - 1
+            y = labels[start : start + batch].to(device) if num_classes > 0 else None
+            if strata:
+                b, se = bpd_estimate(diffusion, model, x0, y, strata=strata, threshold=threshold,
+                                     generator=generator)
+                est_var += (se**2).sum().item()
+            else:
+                b = bpd(diffusion, model, x0, y, threshold=threshold, generator=generator)
+            bits.append(b.cpu())
+            bar.update(len(x0))
     return torch.cat(bits) if bits else torch.zeros(0, dtype=torch.float64), est_var
 
 
@@ -173,17 +169,15 @@ class TrainingEval:
     are comparable across steps. Built before training starts, so missing weights or data fail at once."""
 
     def __init__(self, mc, tc, diffusion, sample, device, extractor=None, batch=250):
-        import data
-
         self.mc, self.tc, self.diffusion, self.device, self.batch = mc, tc, diffusion, device, batch
         self.sample = sample  # sample(net, shape, ...): ddpm.sample with this Diffusion
         self.rank, self.world = group.rank_world()
         self.extractor = self.ref = self.held_out = None
         if tc.eval_fid_samples:
             self.extractor = extractor or fid.inception(device)
-            self.ref = fid.reference_stats(self.extractor, tc.dataset, tc.data_dir, mc.image_size,
-                                           tc.shapes_count, device, tc.fid_stats_dir,
-                                           ref_images=tc.fid_ref_images)
+            self.ref = reference_stats(self.extractor, tc.dataset, tc.data_dir, mc.image_size,
+                                       tc.shapes_count, device, tc.fid_stats_dir,
+                                       ref_images=tc.fid_ref_images)
         if tc.eval_bpd_images:
             try:
                 images, labels, _ = data.load_dataset(tc.dataset, tc.data_dir, mc.image_size, tc.shapes_count,
@@ -205,13 +199,14 @@ class TrainingEval:
             batches = generate(self.sample, net, len(mine), mc, self.device, batch=self.batch, generator=g,
                                labels=labels, sampler=tc.eval_sampler, steps=tc.eval_sample_steps,
                                eta=tc.eta, guidance=tc.guidance, threshold=tc.threshold)
-            feats, _ = fid.features(self.extractor, batches, self.device)
+            feats, _ = fid.features(self.extractor, batches, self.device, desc="sampling for FID",
+                                    total=len(mine))
             out["fid"] = fid.fid_metrics(feats, None, self.ref, prc=False)["fid"]
             out["fid_samples"] = tc.eval_fid_samples
         if self.held_out is not None and bpd:
             g = torch.Generator().manual_seed(tc.seed + 1 + self.rank)
             bits, _ = held_out_bits(self.diffusion, ema, *self.held_out, mc.num_classes, self.device,
-                                    self.batch, tc.eval_bpd_strata, generator=g)
+                                    self.batch, tc.eval_bpd_strata, generator=g, progress=True)
             (total,) = group.all_reduce_sum(torch.tensor([bits.sum().item(), len(bits)], dtype=torch.float64))
             out["bpd"], out["bpd_images"] = (total[0] / total[1]).item(), int(total[1])
         out["eval_s"] = time.time() - t0
@@ -222,14 +217,58 @@ class TrainingEval:
 # sample.py's scores: FID of the images it drew, bits/dim of held-out images
 
 
+def reference_path(extractor, dataset, data_dir, image_size, shapes_count, cache_dir, train=True,
+                   ref_images=0):
+    """Where a split's statistics are cached: the name changes with the data (as a beton's does), with the
+    number of its images drawn (fid.reference_subset) and with the network (its name, and its weights' hash
+    where it has one)."""
+    name = data.beton_name(dataset, data_dir, image_size, shapes_count, train=train)
+    drawn = f"-ref{ref_images}" if ref_images else ""
+    return os.path.join(cache_dir, name.replace(".beton", drawn + fid.extractor_suffix(extractor)))
+
+
+def reference_stats(extractor, dataset, data_dir, image_size, shapes_count, device, cache_dir, batch=250,
+                    train=True, ref_images=0):
+    """A split's (the training set's by default; ref_images of them, drawn by fid.reference_subset, if > 0)
+    feature mean and covariance, plus up to fid.REFERENCE_KEEP of its features (precision/recall). Computed
+    once, then read from cache_dir (reference_path) as long as they prove to be this split's
+    (fid.cached_stats): its provenance (a folder's by the bytes of its images), the draw and the network."""
+    path = reference_path(extractor, dataset, data_dir, image_size, shapes_count, cache_dir, train,
+                          ref_images)
+    listing = data.image_files(data_dir) if data.spec(dataset).reads == "folder" else None
+    origin = data.provenance(dataset, data_dir, image_size, shapes_count, train, listing)
+    content = listing.content_digest() if listing is not None else None
+    settings = fid.stats_settings(extractor, data=origin, content=content, ref_images=ref_images,
+                                  seed=fid.REFERENCE_SEED)
+    split = "train" if train else "test"
+
+    def compute():
+        rank, world = group.rank_world()
+        try:
+            images, _, _ = data.load_dataset(dataset, data_dir, image_size, shapes_count, train, listing)
+        except UserError as e:
+            raise UserError(f"FID reference statistics: {e}") from None
+        images = fid.reference_subset(images, ref_images, f"{dataset} {split}")
+        print(f"computing FID reference statistics of {dataset} {split} ({len(images)} images) into {path}",
+              flush=True)
+        mine = images[rank::world]
+        f, _ = fid.features(extractor, (mine[i : i + batch] for i in range(0, len(mine), batch)), device,
+                            desc="FID reference statistics", total=len(mine))
+        mu, sigma = fid.mean_cov(f)
+        kept = f[: fid.REFERENCE_KEEP // world].float().numpy()  # this rank's share; rank 0's is cached
+        return {"mu": mu, "sigma": sigma, "features": kept, "n": np.array(len(images))}
+
+    return fid.cached_stats(path, settings, fid.feature_width(extractor), compute, cache_dir)
+
+
 def sample_reference(dataset, data_dir, shapes_count, image_size, device, weights, stats_dir, ref_images=0):
     """Before any sampling: -> (the Inception network, the training split's statistics (of ref_images drawn
     from it, if > 0), what a result records of them)."""
     extractor = fid.inception(device, weights)
-    ref = fid.reference_stats(extractor, dataset, data_dir, image_size, shapes_count, device, stats_dir,
-                              ref_images=ref_images)
-    cache = fid.reference_path(extractor, dataset, data_dir, image_size, shapes_count, stats_dir, True,
-                               ref_images)
+    ref = reference_stats(extractor, dataset, data_dir, image_size, shapes_count, device, stats_dir,
+                          ref_images=ref_images)
+    cache = reference_path(extractor, dataset, data_dir, image_size, shapes_count, stats_dir, True,
+                           ref_images)
     record = {"dataset": dataset, "data_dir": data_dir, "split": "train", "images": int(ref["n"]),
               "drawn": f"seed {fid.REFERENCE_SEED}" if ref_images else None,
               "image_size": image_size, "sha256": fid.stats_sha256(ref), "cache": os.path.abspath(cache)}
@@ -259,8 +298,6 @@ def held_out_result(diffusion, model, mc, dataset, data_dir, shapes_count, n, se
                     device):
     """Bits/dim of the first n images of the held-out split, in fp32 (the bound sums T terms), with its
     standard error over images (and the estimator's, with strata)."""
-    import data
-
     images, labels, _ = data.load_dataset(dataset, data_dir, mc.image_size, shapes_count, train=False)
     n = min(n, len(images))
     g = torch.Generator().manual_seed(seed)
@@ -280,8 +317,6 @@ SMALL_N = 50_000  # FID is biased upward below this many samples (and published 
 
 def dataset_splits():
     """The DATASET:SPLIT operands, from data.DATASETS: {name: its splits}; a folder is folder:PATH or PATH."""
-    import data
-
     return {name: d.splits for name, d in data.DATASETS.items() if d.splits}
 
 
@@ -319,8 +354,6 @@ class NpzImages:
         if dtype != np.uint8 or fortran or len(shape) != 4 or shape[3] != 3 or shape[1] < 1 or shape[2] < 1:
             raise UserError(f"{self.path}: {self.key[:-4]} is {dtype} {shape}{' Fortran-ordered' * fortran}; "
                             "images are uint8 (N, H, W, 3) in C order")
-        import data
-
         top = data.MAX_IMAGE_SIZE  # pixels a side, as for every command
         if shape[0] == 0 or max(shape[1:3]) > top:
             raise UserError(f"{self.path}: {self.key[:-4]} is {shape}: " + (
@@ -371,8 +404,6 @@ def operand(spec):
 def check_operand(op):
     """Before any Inception work, what can be checked cheaply: an .npz's header, a folder's listing, and at
     least 2 images on each side."""
-    import data
-
     if op[0] == "npz" and len(NpzImages(op[1])) < 2:
         raise UserError(f"--fid {op[1]}: one image; FID needs at least 2 (a covariance)")
     count = len(data.image_files(op[1]).files) if op[0] == "folder" else 2
@@ -387,8 +418,6 @@ def describe(op):
 
 def operand_batches(op, args, image_size):
     """-> (the number of images, an iterator of uint8 (B, 3, S, S) batches) of one operand at image_size."""
-    import data
-
     if op[0] == "npz":
         images = NpzImages(op[1])
         batches = images.batches(args.batch)
@@ -406,8 +435,6 @@ def operand_batches(op, args, image_size):
 def default_image_size(a, b, args):
     """The resolution both sides are scored at: --image_size, else an .npz's own, else a dataset's own
     (data.DATASETS: CIFAR-10's 32)."""
-    import data
-
     if args.image_size:
         return args.image_size
     for op in (a, b):
@@ -444,8 +471,6 @@ def parse_args(argv):
     p.add_argument("--device", default="auto")
     p.add_argument("--out", default="", help="also write the result as JSON here")
     args = p.parse_args(argv)
-    import data
-
     for name, top in (("batch", 2**16), ("shapes_count", data.MAX_SHAPES_COUNT)):
         if not 1 <= getattr(args, name) <= top:
             raise UserError(f"--{name} {getattr(args, name)}: must lie in [1, {top}]")
@@ -460,8 +485,6 @@ def parse_args(argv):
 def content_key(op):
     """A digest of what an .npz or folder operand holds: the .npz file's bytes (SHA-256), or its image files'
     names and bytes (data.Listing.content_digest), each read in one streaming pass."""
-    import data
-
     if op[0] == "folder":
         return data.image_files(op[1]).content_digest()
     h = hashlib.sha256()
@@ -476,10 +499,10 @@ def side_stats(op, args, extractor, image_size, device):
     cached by their content (fid.cached_stats: used only where they prove to be these). -> (statistics,
     their record)."""
     if op[0] == "dataset":
-        path = fid.reference_path(extractor, op[1], args.data_dir, image_size, args.shapes_count,
-                                  args.stats_dir, op[2] == "train", args.fid_ref_images)
-        ref = fid.reference_stats(extractor, op[1], args.data_dir, image_size, args.shapes_count, device,
-                                  args.stats_dir, args.batch, op[2] == "train", args.fid_ref_images)
+        path = reference_path(extractor, op[1], args.data_dir, image_size, args.shapes_count,
+                              args.stats_dir, op[2] == "train", args.fid_ref_images)
+        ref = reference_stats(extractor, op[1], args.data_dir, image_size, args.shapes_count, device,
+                              args.stats_dir, args.batch, op[2] == "train", args.fid_ref_images)
     else:  # cached by content: the .npz's bytes, or the folder's image names and bytes
         key = content_key(op)
         path = os.path.join(args.stats_dir, f"{op[0]}-{key[:16]}-{image_size}px"
@@ -520,7 +543,7 @@ def main(argv=None):
         if warning:
             print(warning)
         feats, logits = fid.features(extractor, batches, device, desc=f"Inception features of {describe(a)}",
-                                 total=n)
+                                     total=n)
         result = {**fid.json_safe(fid.fid_metrics(feats, logits, ref)), "n": len(feats),
                   "samples": describe(a),
                   "reference": f"{describe(b)}, {reference['images']} images", "reference_stats": reference,

@@ -13,12 +13,9 @@ import statistics
 
 import torch
 
-import beton
 import data
 import ddpm
-import errors
-import files
-import mfu
+from machinery import beton, errors, files, mfu
 from unet import UNet
 
 # -----------------------------------------------------------------------------
@@ -69,7 +66,6 @@ class DataLoaderAdapter:
             x, y = next(self.it)
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         return x, (y if self.with_labels else None)
-
 
 
 # -----------------------------------------------------------------------------
@@ -309,7 +305,7 @@ def row_beton(lad, trial, batch):
 
 def measured_row(lad, name, trial, mc_row, batch, ms, mem):
     """A measured row's JSON: its settings, speed, counted TFLOP/s and MFU against both peaks."""
-    flops = mfu.train_flops_per_image(mc_row) * batch
+    flops = mfu.train_flops_per_image(UNet, mc_row) * batch
     info = torchinfo_flops_per_image(mc_row)
     dtype = mfu.AUTOCAST_DTYPES.get(trial["precision"], torch.float32)
     sheet = mfu.datasheet_peak(lad.device, trial["precision"])

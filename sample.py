@@ -6,10 +6,11 @@
     python sample.py --ckpt runs/x/ema.pt --n 50000 --png_dir fid/png --out fid/samples.png  # + one PNG each
     python sample.py --ckpt runs/x/ema.pt --eval bpd --n 10000 --out bpd/test.png   # bits/dim, test split
     python sample.py --ckpt ddpm-cifar10-32 --eval fid --n 50000 --out fid/ho.png   # diffusers' Ho weights
-    python sample.py --ckpt runs/x --ema_length 0.05,0.08 --eval fid --out ema/s.png  # post-hoc EMA sweep
+    python sample.py --ckpt runs/x/ema-sigma_rel0.0800.pt --eval fid --out ema/s.png  # a post-hoc EMA's
     python sample.py --ckpt runs/x/ema.pt --export_diffusers hub/x                  # a folder diffusers loads
 
---ckpt: a run's ckpt.pt or ema.pt (weights_only=True) or a diffusers model or pipeline folder (diffusers_io).
+--ckpt: a run's ckpt.pt or ema.pt, a post-hoc EMA's weights (`python -m machinery.phema` writes them, in
+ema.pt's format), all read with weights_only=True, or a diffusers model or pipeline folder (diffusers_io).
 Conditional models cycle through the classes (image i: label i % classes) unless --label fixes one. The
 sampler, steps, eta, guidance and thresholding default to the run's grid settings; another --sampler brings
 its own steps and eta (ddpm.SAMPLERS). The network runs under bf16 autocast where the hardware has it.
@@ -26,36 +27,86 @@ uint8 (N, H, W, 3), arr_1 labels: guided-diffusion's evaluator's layout), the gr
 training set, statistics cached in --stats_dir) and removes the shards (unless --keep_shards). Bad input is
 one `error:` line and exit status 2, before any sampling where it can be known.
 """
-import argparse
 import dataclasses
 import json
 import os
+import sys
 import time
+from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 import ddpm
-import diffusers_io
-import errors
 import evaluate
-import fid
-import files
-import group
-import phema
-import runs
 import sampling
-import shards
-from errors import RUN_STOPPED, UserError
+import unet
+from machinery import cli, diffusers_io, errors, fid, files, group, runs, shards
+from machinery.cli import chosen, ranged
+from machinery.errors import RUN_STOPPED, UserError
+from machinery.progress import Progress
 
 GRID = 256  # images in the grid PNG
 EVAL_BATCH = 256  # images per Inception or bits/dim call at most: not what --batch 0 probes
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")  # torch.compile's
 SHARD_IMAGES = 1000  # the default shard: about this many images, a whole number of batches
 # how image i's noise and label are made: recorded in every shard and result; a change of it changes images
 NOISE_RULE = ("per image: torch.Generator('cpu').manual_seed(image_seed(seed, i)); "
               "label i % classes or --label")
+
+
+@dataclass(frozen=True)
+class Settings:  # the command line, flat: --name=value or --name value; parsed once, never changed after
+    ckpt: str = ""                                  # a run folder (its ema.pt), its ckpt.pt or ema.pt, a
+                                                    # post-hoc EMA's weights (python -m machinery.phema), or
+                                                    # a diffusers model or pipeline folder; required
+    ckpt_high: str = ""                             # with model splitting: the t >= S expert (--ckpt is then
+                                                    # the t < S one)
+    n: int = ranged(64, 1, shards.MAX_IMAGES, True)  # images (also --num_images: under torchrun, which reads
+                                                    # --n as an abbreviation of its own options)
+    sampler: str | None = chosen(None, ddpm.SAMPLERS)  # a key of ddpm.SAMPLERS (above); default: the run's
+                                                    # (TrainerConfig's for a diffusers folder)
+    steps: int | None = ranged(None, 0, 10**6)      # sampler steps; 0 = all T; default: the run's, or another
+                                                    # sampler's own
+    eta: float | None = ranged(None, 0, 1, closed=True)  # noise of a sampler that takes it (DDIM: 0 =
+                                                    # deterministic); default: the run's, or the sampler's
+    guidance: float | None = ranged(None, 0, 100, closed=True)  # classifier-free guidance weight w; 1 =
+                                                    # none; default: the run's
+    threshold: Literal["static", "dynamic", "none"] | None = None  # x0 clipping: static [-1, 1], dynamic
+                                                    # (Saharia et al. 2022) or none; default: the run's
+                                                    # (static for --eval bpd)
+    percentile: float = ranged(0.995, 1e-6, 1, closed=True)  # dynamic thresholding's percentile
+    label: int = ranged(-1, -1, 2**31)              # the class to sample; -1 = cycle through all classes
+    batch: int = ranged(0, 0, 2**16, True)           # images per network call; 0 = fill the device
+                                                    # (sampling.device_batch); bpd: 256
+    compile: Literal["auto", "false", "default", "reduce-overhead", "max-autotune"] = "auto"  # each sampler
+                                                    # step compiled whole in this torch.compile mode
+                                                    # (reduce-overhead: CUDA graphs); auto = reduce-overhead
+                                                    # on a GPU, false on a CPU
+    seed: int = ranged(0, 0, 2**63)                 # image i's noise: from (seed, i) alone
+    device: str = "auto"                            # auto, cpu, cuda, cuda:N
+    out: str = "samples.png"                        # the grid PNG; the .npz (and, with --eval, a .json of the
+                                                    # results) beside it
+    eval: Literal["samples", "fid", "bpd"] = "samples"  # samples: draw --n images; fid: also FID, IS and
+                                                    # precision/recall against the training set; bpd:
+                                                    # bits/dim of --n held-out images
+    strata: int = ranged(0, 0, 10**6)               # bpd: estimate from 2*strata+1 network calls; 0 = all T
+    dataset: str = ""                               # fid: the reference (train split), bpd: held-out data
+                                                    # (test split); '' = the run's own
+    data_dir: str = ""                              # fid, bpd: '' = the run's own
+    stats_dir: str = ddpm.TrainerConfig.fid_stats_dir  # fid: the reference statistics' cache
+    fid_ref_images: int | None = ranged(None, 0, shards.MAX_IMAGES, True)  # fid: the reference's images, a
+                                                    # fixed draw from the train split; 0 = all; default:
+                                                    # the run's
+    shard_size: int = ranged(0, 0, shards.MAX_IMAGES, True)  # images per shard (written as done; a rerun
+                                                    # continues from them); 0 = the shard folder's, else
+                                                    # about 1000, a whole number of batches
+    keep_shards: bool = False                       # keep <out>.shards/ once the outputs exist
+    png_dir: str = ""                               # also one PNG per image into this (empty or new) folder
+    inception_weights: str = ""                     # fid: a local copy of torch-fidelity's Inception weights
+                                                    # (also $DDPM_INCEPTION_WEIGHTS); '' = torch.hub's cache
+    export_diffusers: str = ""                      # write the EMA model as a diffusers folder
+                                                    # (UNet2DModel + DDPMScheduler config) and exit
 
 
 def main(argv=None):
@@ -65,10 +116,7 @@ def main(argv=None):
         rank, world, device = group.join(args.device)
         try:
             with group.sigterm_interrupts():
-                if len(args.ema_length) < 2:
-                    return command(args, rank, world, device)
-                results = [command(one, rank, world, device) for one in phema.sweep_args(args)]
-                return phema.write_sweep(args.out, results) if rank == 0 else None
+                return command(args, rank, world, device)
         except KeyboardInterrupt:
             raise UserError(f"stopped by a signal; the finished shards are kept in "
                             f"{shards.folder_of(args.out)}: the same command continues from them",
@@ -79,20 +127,22 @@ def main(argv=None):
 
 def command(args, rank, world, device):
     """Load, check everything, draw the missing shards, then write and score the images once."""
+    args = dataclasses.replace(args, ckpt=checkpoint_of(args.ckpt))
     model, mc, run = load_models(args, device)
-    choose_settings(args, mc, run, world)  # every check before any sampling
+    args = resolved(args, mc, run, world)  # every check before any sampling
     if args.export_diffusers:
-        return diffusers_io.export(args.export_diffusers, model, mc)
+        return diffusers_io.export(args.export_diffusers, model, mc, unet)
     diffusion = ddpm.Diffusion(mc).to(device)
     if args.eval == "bpd":
-        args.batch = args.batch or EVAL_BATCH
+        args = dataclasses.replace(args, batch=args.batch or EVAL_BATCH)
         return evaluate_bpd(args, model, mc, run, diffusion, device)
-    args.batch = args.batch or sampling.device_batch(model, mc, device, args.n, args.guidance)
+    batch = args.batch or sampling.device_batch(model, mc, device, args.n, args.guidance)
+    args = dataclasses.replace(args, batch=batch)
     # the Inception weights and the reference statistics first: fail before sampling
     reference = (evaluate.sample_reference(*run_data(args, run), mc.image_size, device,
                                            args.inception_weights, args.stats_dir, args.fid_ref_images)
                  if args.eval == "fid" else None)
-    checkpoints = sampling.checkpoint_records(model, args.ckpt, args.ckpt_high, args.post_hoc_ema)
+    checkpoints = sampling.checkpoint_records(model, args.ckpt, args.ckpt_high)
     plan = plan_shards(args, mc, checkpoints, rank, world)
     if reference is not None and rank == 0 and evaluate.small_n_warning(args.n):
         print(evaluate.small_n_warning(args.n), flush=True)
@@ -101,83 +151,33 @@ def command(args, rank, world, device):
 
 
 def parse_args(argv):
-    """The command line. --sampler's choices are ddpm.SAMPLERS as it stands now, when the arguments are
-    parsed, so a sampler registered after this module was imported is one too."""
-    p = argparse.ArgumentParser(description="Sample images from a trained ddpm run.")
-    p.add_argument("--ckpt", required=True,
-                   help="a run folder (its ema.pt), its ckpt.pt or ema.pt, or a diffusers model or pipeline")
-    p.add_argument("--ckpt_high", default="",
-                   help="with model splitting: the t >= S expert (--ckpt is then the t < S one)")
-    p.add_argument("--n", "--num_images", dest="n", type=int, default=64,
-                   help="number of images (under torchrun write --num_images: torchrun takes --n for an "
-                        "abbreviation of its own options)")
-    # the sampling settings default to the run's grid settings (TrainerConfig's for a diffusers folder)
-    p.add_argument("--sampler", choices=ddpm.SAMPLERS, help=sampler_help())
-    p.add_argument("--steps", type=int, help="sampler steps; 0 = all T; default: the run's sample_steps, or "
-                                             "another sampler's own (--help's list)")
-    p.add_argument("--eta", type=float, help="noise of a sampler that takes it (DDIM: 0 = deterministic); "
-                                             "default: the run's eta, or another sampler's own")
-    p.add_argument("--guidance", type=float,
-                   help="classifier-free guidance weight w; 1 = none; default: the run's guidance")
-    p.add_argument("--threshold", choices=["static", "dynamic", "none"],
-                   help="x0 clipping: static [-1, 1], dynamic (Saharia et al. 2022), or none; default: the "
-                        "run's threshold (static for --eval bpd)")
-    p.add_argument("--percentile", type=float, default=0.995, help="dynamic thresholding percentile")
-    p.add_argument("--label", type=int, default=-1, help="class to sample; -1 = cycle through all classes")
-    p.add_argument("--batch", type=int, default=0,
-                   help="images per network call; 0 = fill the device (sampling.device_batch); bpd: %d"
-                        % EVAL_BATCH)
-    p.add_argument("--compile", choices=["auto", "false", *COMPILE_MODES], default="auto",
-                   help="compile each sampler step whole in this torch.compile mode (reduce-overhead: "
-                        "CUDA graphs); auto = reduce-overhead on a GPU, false on a CPU (2-5%% faster there "
-                        "after 30-70 s of compiling, BENCHMARKS.md)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--out", default="samples.png",
-                   help="grid PNG; the .npz (and, with --eval, a .json of the results) is written beside it")
-    p.add_argument("--eval", choices=["samples", "fid", "bpd"], default="samples",
-                   help="samples: draw --n images; fid: also FID/IS/precision/recall of them against the "
-                        "training set; bpd: bits/dim of --n held-out images (evaluate.bpd)")
-    p.add_argument("--strata", type=int, default=0,
-                   help="bpd: estimate from 2*strata+1 network calls; 0 = all T (exact)")
-    p.add_argument("--dataset", help="fid: the reference (train split), bpd: held-out data (test split); "
-                                     "default: the run's own dataset")
-    p.add_argument("--data_dir", help="fid, bpd: default: the run's own data_dir")
-    p.add_argument("--stats_dir", default=ddpm.TrainerConfig.fid_stats_dir, help="fid: the statistics' cache")
-    p.add_argument("--fid_ref_images", type=int, help="fid: the reference's images, a fixed draw from the "
-                                                      "train split; 0 = all; default: the run's")
-    p.add_argument("--shard_size", type=int, default=0,
-                   help="images per shard (written as they are done; a rerun continues from them); default: "
-                        "the shard folder's, else about 1000, a whole number of batches")
-    p.add_argument("--keep_shards", action="store_true", help="keep <out>.shards/ once the outputs exist")
-    p.add_argument("--png_dir", default="",
-                   help="also write one PNG per image into this (empty or new) folder")
-    p.add_argument("--inception_weights", default="",
-                   help="fid: a local copy of torch-fidelity's Inception weights file (also "
-                        "$DDPM_INCEPTION_WEIGHTS); default: torch.hub's cache, downloaded once")
-    p.add_argument("--ema_length", type=phema.widths, default="",
-                   help="post-hoc EMA: sample the EMA of this relative width, rebuilt from the snapshots of "
-                        "--ckpt's run folder; several (comma-separated): one output each, <out>-ema<width>")
-    p.add_argument("--export_diffusers", metavar="DIR", default="",
-                   help="write the EMA model as a diffusers folder (UNet2DModel + DDPMScheduler config) "
-                        "and exit")
-    return p.parse_args(argv, argparse.Namespace(post_hoc_ema=None))
+    """The command line -> Settings, every field checked (cli.check_fields); --sampler's choices are
+    ddpm.SAMPLERS as it stands when the arguments are parsed, so a sampler registered later is one too."""
+    usage = __doc__.split("\n\n")[1] + "\n\n" + sampler_help()
+    fields, _ = cli.flat_args(sys.argv[1:] if argv is None else argv, (Settings,), usage,
+                              aliases={"num_images": "n"})
+    args = Settings(**fields)
+    cli.check_fields(args)
+    if not args.ckpt:
+        raise UserError("--ckpt is required: a run folder, a weights file or a diffusers folder")
+    return args
 
 
 def sampler_help():
-    """--sampler's help: ddpm.SAMPLERS, each with its summary."""
-    listed = "; ".join(f"{name}: {s.summary.rstrip('.')}" for name, s in ddpm.SAMPLERS.items())
-    return f"default: the run's sampler. {listed}.".replace("%", "%%")  # argparse %-formats help
+    """--sampler's choices: ddpm.SAMPLERS, each with its summary."""
+    return "--sampler: " + "; ".join(f"{name}: {s.summary.rstrip('.')}" for name, s in ddpm.SAMPLERS.items())
+
+
+def checkpoint_of(ckpt):
+    """A run folder holding an ema.pt -> that ema.pt; anything else as given."""
+    return os.path.join(ckpt, "ema.pt") if os.path.isdir(ckpt) and files.is_regular(
+        os.path.join(ckpt, "ema.pt")) else ckpt
 
 
 def load_models(args, device):
     """-> (the EMA network, its ModelConfig, its run's TrainerConfig fields or {}) of --ckpt (a run folder:
     its ema.pt); with --ckpt_high, the two experts of a split model as one network, each for its timesteps."""
-    if os.path.isdir(args.ckpt) and (args.ema_length or files.is_regular(os.path.join(args.ckpt, "ema.pt"))):
-        args.ckpt = os.path.join(args.ckpt, "ema.pt")
     model, mc, run = ddpm.load_ema(args.ckpt, device)
-    if args.ema_length:  # one width here (a sweep calls command once per width)
-        args.post_hoc_ema = phema.load_rebuilt(model, args.ckpt, args.ema_length[0])
     if not args.ckpt_high:
         if ddpm.split_timestep(mc):
             raise UserError(f"{args.ckpt} is one expert of a split model: give the other with --ckpt_high")
@@ -188,8 +188,6 @@ def load_models(args, device):
         raise UserError("--ckpt and --ckpt_high differ in more than split_part")
     if (mc.split_part, mc_high.split_part) != ("low", "high") or not ddpm.split_timestep(mc):
         raise UserError("--ckpt must be a split model's 'low' expert and --ckpt_high its 'high' one")
-    if args.ema_length:  # the high expert too, from its own run's snapshots
-        args.post_hoc_ema["high_expert"] = phema.load_rebuilt(high, args.ckpt_high, args.ema_length[0])
     return ddpm.SplitModel(model, high, ddpm.split_timestep(mc)), mc, run
 
 
@@ -198,34 +196,33 @@ def run_default(run, field):
     return run.get(field, getattr(ddpm.TrainerConfig, field))
 
 
-def choose_settings(args, mc, run, world=1):
-    """Fill in the sampling settings from the run (a sampler other than the run's brings its own steps and
-    eta), then refuse, before any sampling, values out of range, an --out or --png_dir that cannot be
-    written and a --label the model does not have."""
+def resolved(args, mc, run, world=1):
+    """The settings with the run's filled in where None (a sampler other than the run's brings its own steps
+    and eta), as a new Settings; then refuse, before any sampling, what the model does not allow (steps
+    beyond T, a --label it does not have), an --out or --png_dir that cannot be written."""
+    spec, fill = ddpm.SAMPLERS.get(args.sampler), {}
     if args.eval == "bpd" and args.threshold is None:
-        args.threshold = "static"  # the bound as the literature has it, whatever the run samples with
-    spec = ddpm.SAMPLERS.get(args.sampler)
+        fill["threshold"] = "static"  # the bound as the literature has it, whatever the run samples with
     if spec is not None and args.sampler != run_default(run, "sampler"):
-        args.steps = spec.steps if args.steps is None else args.steps
-        args.eta = (spec.eta or 0.0) if args.eta is None else args.eta
+        fill.update(steps=spec.steps if args.steps is None else args.steps,
+                    eta=(spec.eta or 0.0) if args.eta is None else args.eta)
     for name, field in (("sampler", "sampler"), ("steps", "sample_steps"), ("eta", "eta"),
                         ("guidance", "guidance"), ("threshold", "threshold"), ("fid_ref_images",) * 2):
-        if getattr(args, name) is None:
-            setattr(args, name, run_default(run, field))
+        if getattr(args, name) is None and name not in fill:
+            fill[name] = run_default(run, field)
+    args = dataclasses.replace(args, **fill)
     if args.sampler not in ddpm.SAMPLERS:  # the run's own, registered where it trained but not here
         raise UserError(f"the run's sampler '{args.sampler}' is not one of {', '.join(ddpm.SAMPLERS)}: "
                         "choose one with --sampler")
     if args.eta and ddpm.SAMPLERS[args.sampler].eta is None:
         raise UserError(f"--eta {args.eta}: the sampler '{args.sampler}' takes no eta")
-    top = max(mc.num_classes - 1, -1)  # --label: a class, or -1 to cycle through them
-    bounds = (("n", 1 + (args.eval == "fid"), shards.MAX_IMAGES), ("batch", 0, 2**16), ("eta", 0, 1),
-              ("shard_size", 0, shards.MAX_IMAGES), ("steps", 0, mc.timesteps), ("guidance", 0, 100),
-              ("percentile", 1e-6, 1), ("seed", 0, 2**63 - 1), ("strata", 0, mc.timesteps - 1),
-              ("label", -1, top), ("fid_ref_images", 0, shards.MAX_IMAGES))
+    cli.check_fields(args)  # the run's values too
+    bounds = (("n", 1 + (args.eval == "fid"), shards.MAX_IMAGES), ("steps", 0, mc.timesteps),
+              ("strata", 0, mc.timesteps - 1), ("label", -1, max(mc.num_classes - 1, -1)))
     why = {"label": f" (the model has {mc.num_classes} classes; -1 cycles)",
            "n": "; FID needs at least 2 (a covariance)" if args.eval == "fid" else ""}
     for name, lo, hi in bounds:
-        if not lo <= (value := getattr(args, name)) <= hi:  # NaN fails every comparison
+        if not lo <= (value := getattr(args, name)) <= hi:
             raise UserError(f"--{name} {value} is out of range: [{lo}, {hi}]{why.get(name, '')}")
     if world > 1 and (args.export_diffusers or args.eval == "bpd"):
         raise UserError("--export_diffusers and --eval bpd run in one process: start them without torchrun")
@@ -236,6 +233,7 @@ def choose_settings(args, mc, run, world=1):
             shards.check_png_dir(args.png_dir, args.n, args.out)
         images = args.n * mc.image_size**2 * mc.channels  # bytes; the shards and the .npz stay to the end
         files.check_space([(args.out, 2 * images), (args.png_dir, images)], "draw fewer (--n), or free space")
+    return args
 
 
 # -----------------------------------------------------------------------------
@@ -261,9 +259,9 @@ def draw_batches(args, net, capture, mc, diffusion, device, start, end):
         rows = [*range(a, b), *[b - 1] * capture.padding]
         y = labels[torch.tensor(rows) - start].to(device) if labels is not None else None
         x = ddpm.sample(diffusion, net, (len(rows), mc.channels, mc.image_size, mc.image_size),
-                             noise=sampling.ImageNoise(args.seed, rows), sampler=args.sampler,
-                             steps=args.steps or None, y=y, guidance=args.guidance, eta=args.eta,
-                             threshold=args.threshold, percentile=args.percentile, capture=capture)[: b - a]
+                        noise=sampling.ImageNoise(args.seed, rows), sampler=args.sampler,
+                        steps=args.steps or None, y=y, guidance=args.guidance, eta=args.eta,
+                        threshold=args.threshold, percentile=args.percentile, capture=capture)[: b - a]
         yield (evaluate.to_uint8(x).permute(0, 2, 3, 1).numpy(),
                y[: b - a].cpu().numpy() if y is not None else np.zeros(0, np.int64))
 
@@ -307,9 +305,8 @@ def draw_shards(args, plan, model, mc, diffusion, device, checkpoints):
         torch.cuda.reset_peak_memory_stats(device)
     before = args.n - missing
     who = f"rank {plan.rank}: " if plan.world > 1 else ""
-    drawn, t0 = 0, time.perf_counter()  # a bar of the time left, on a terminal only: each rank's own share
-    bar = tqdm(total=mine, desc=f"{who}sampling", unit="img", disable=None, leave=False)
-    ticker = runs.OffTerminal()  # off a terminal, a line a minute instead of the bar
+    drawn, t0 = 0, time.perf_counter()
+    bar = Progress(f"{who}sampling", mine, "images drawn")  # rank 0's share: a bar, or lines in a log
     for k in plan.mine(plan.missing):
         images, labels = [], []
         for x, y in draw_batches(args, net, capture, mc, diffusion, device, *plan.ranges[k]):
@@ -318,8 +315,6 @@ def draw_shards(args, plan, model, mc, diffusion, device, checkpoints):
             drawn += len(x)
             bar.update(len(x))
         shards.save(plan, k, np.concatenate(images), np.concatenate(labels), made)
-        if ticker.due():
-            print(f"{who}{drawn}/{mine} images drawn", flush=True)
     bar.close()
     if drawn:
         print(f"{who}{before + drawn}/{args.n} images" if plan.world == 1 else f"{who}{drawn} images drawn",

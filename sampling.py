@@ -17,11 +17,8 @@ import time
 import torch
 
 import ddpm
-import diffusers_io
-import files
-import group
-import runs
 import unet
+from machinery import diffusers_io, files, group, runs
 
 CPU_BATCH = 32  # sample.py --batch 0 on a CPU: 16-64 ran alike per image, 128 slower (BENCHMARKS.md)
 GPU_MAX_BATCH = 1024  # --batch 0 on a GPU at most: shards (about 1,000 images) stay spread over the ranks
@@ -140,22 +137,23 @@ def weights_sha256(model):
     return h.hexdigest()
 
 
-def checkpoint_records(model, ckpt, ckpt_high="", post_hoc_ema=None):
+def checkpoint_records(model, ckpt, ckpt_high=""):
     """What sample.py's result records of each checkpoint (ckpt_high: a split model's second): its path, the
-    weights (EMA, a post-hoc EMA rebuilt from the snapshots, or a diffusers folder's as published), their
-    hash and the training step it was saved at (None where unknown)."""
+    weights (EMA, a post-hoc EMA rebuilt from the snapshots with its record, or a diffusers folder's as
+    published), their hash and the training step it was saved at (None where unknown)."""
     nets = [(ckpt, model.low if ckpt_high else model)] + ([(ckpt_high, model.high)] if ckpt_high else [])
     out = []
     for path, net in nets:
-        step = None
+        saved = {}
         if not diffusers_io.is_folder(path) and files.is_regular(os.path.realpath(path)):
             with contextlib.suppress(Exception):  # only for the record: load_ema has read the file already
-                step = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("step")
-        out.append({"path": os.path.abspath(path), "step": step, "sha256": weights_sha256(net),
-                    "weights": "diffusers folder (as published)" if diffusers_io.is_folder(path) else "EMA"})
-    if post_hoc_ema:  # with model splitting, both experts are rebuilt (sample.py): each record says so
-        for record in out:
-            record.update(weights="post-hoc EMA (phema.py)", post_hoc_ema=post_hoc_ema)
+                saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        saved = saved if isinstance(saved, dict) else {}
+        record = {"path": os.path.abspath(path), "step": saved.get("step"), "sha256": weights_sha256(net),
+                  "weights": "diffusers folder (as published)" if diffusers_io.is_folder(path) else "EMA"}
+        if isinstance(saved.get("post_hoc_ema"), dict):  # python -m machinery.phema's weights
+            record.update(weights="post-hoc EMA (machinery/phema.py)", post_hoc_ema=saved["post_hoc_ema"])
+        out.append(record)
     return out
 
 

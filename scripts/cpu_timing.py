@@ -21,7 +21,6 @@ all of them (flagged).
 import datetime
 import importlib
 import importlib.metadata
-import json
 import os
 import statistics
 import subprocess
@@ -34,8 +33,8 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
-import files  # noqa: E402
-import mfu  # noqa: E402
+import reporting  # noqa: E402
+from machinery import mfu  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -229,18 +228,17 @@ def print_counts(env, peaks32, peaks16, theirs_flops, ours_flops, ours_meta_flop
 
 def finish(args, t_start, env, peaks32, peaks16, flops, rows, **extra):
     """A note naming the rows timed under contention; every measurement to args.json (when given), created
-    fresh and renamed into place (files.created: never written through a link).
+    fresh and renamed into place (reporting.write_json).
     flops = (theirs, ours, ours by mfu.train_flops_per_image), per image."""
     noisy = [row["config"] for row in rows if row["steps_used"] == "all"]
     if noisy:
         print(f"\nnote: fewer than 2 uncontended steps (others <= {args.contended} cores), median over all "
               f"steps, for: {', '.join(noisy)}: treat those as noisy")
-    if not args.json:
-        return
-    with files.created(args.json, "w") as f:
-        json.dump({"environment": env, "peak_fp32_flops": max(peaks32), "peak_bf16_flops": max(peaks16),
-                   "peak_fp32_flops_start_end": peaks32, "peak_bf16_flops_start_end": peaks16,
-                   "theirs_flops_per_image": flops[0], "ours_flops_per_image": flops[1],
-                   "ours_train_flops_per_image_meta": flops[2], "warmup": args.warmup, "timed": args.timed,
-                   "contended_threshold_cores": args.contended, "argv": sys.argv, "rows": rows, **extra,
-                   "wall_s": time.time() - t_start}, f, indent=2)
+    if args.json:
+        reporting.write_json(args.json, {
+            "environment": env, "peak_fp32_flops": max(peaks32), "peak_bf16_flops": max(peaks16),
+            "peak_fp32_flops_start_end": peaks32, "peak_bf16_flops_start_end": peaks16,
+            "theirs_flops_per_image": flops[0], "ours_flops_per_image": flops[1],
+            "ours_train_flops_per_image_meta": flops[2], "warmup": args.warmup, "timed": args.timed,
+            "contended_threshold_cores": args.contended, "argv": sys.argv, "rows": rows, **extra,
+            "wall_s": time.time() - t_start})

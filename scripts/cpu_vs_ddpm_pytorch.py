@@ -57,8 +57,9 @@ import itertools
 import time
 
 import cpu_timing
-import errors
+import reporting
 from cpu_timing import CPU, count_flops
+from machinery import errors
 
 import torch
 
@@ -116,7 +117,7 @@ def build_ours(batch, channels_last, compile_model, precision, attention="sdpa")
     """-> step() of ddpm.iteration (train()'s step) on the 'ho' network, with model, EMA, optimizer and
     forward from ddpm.build (compile: torch.compile in the default mode), and the parameter count."""
     import ddpm
-    import runs
+    from machinery import runs
 
     torch.manual_seed(0)
     mc = ddpm.ModelConfig()  # preset 'ho'
@@ -139,7 +140,7 @@ def count_ours():
     """Counted training FLOPs per image of Diffusion.loss forward + backward on the CPU, math attention;
     and mfu.train_flops_per_image (the meta-device count ddpm.py reports) beside it."""
     import ddpm
-    import mfu
+    from machinery import mfu
     from unet import UNet
 
     torch.manual_seed(0)
@@ -147,7 +148,7 @@ def count_ours():
     model, diffusion = UNet(mc, attention="math"), ddpm.Diffusion(mc)
     x = torch.rand(2, mc.channels, mc.image_size, mc.image_size) * 2 - 1
     counted = count_flops(lambda: diffusion.loss(model, x)[0].mean().backward(), 2)
-    return counted, mfu.train_flops_per_image(mc, "sdpa")
+    return counted, mfu.train_flops_per_image(UNet, mc, "sdpa")
 
 
 # ----------------------------------------------------------------------------- main
@@ -238,17 +239,15 @@ def report(args, rows, t_start, peaks32, peaks16):
           f"median of the uncontended timed steps (others <= {args.contended} cores); "
           f"'others' = cores other processes kept busy, median over all timed steps; "
           f"total wall {time.time() - t_start:.0f} s\n")
-    print("| config | params | GFLOP/img (counted) | batch | median ms/step (min) | steps used | img/s | "
-          "GFLOP/s | of matmul peak | FLOP/s vs theirs fp32 | others |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
     ref32 = next((row for row in rows if row["config"] == "theirs fp32"), None)
-    for row in rows:
-        print(f"| {row['config']} | {row['params'] / 1e6:.2f}M | {row['flops_per_image'] / 1e9:.2f} | "
-              f"{row['batch']} | {row['step_ms']:.0f} ({row['step_ms_min']:.0f}) | "
-              f"{cpu_timing.steps_used(row)} | {row['img_per_s']:.2f} | "
-              f"{row['gflops']:.1f} | {cpu_timing.peak_cell(row)} | "
-              f"{row['gflops'] / ref32['gflops'] if ref32 else float('nan'):.2f}x | "
-              f"{row['other_cores_median']:.2f} |")
+    print(reporting.table(
+        ["config", "params", "GFLOP/img (counted)", "batch", "median ms/step (min)", "steps used", "img/s",
+         "GFLOP/s", "of matmul peak", "FLOP/s vs theirs fp32", "others"],
+        [[row["config"], f"{row['params'] / 1e6:.2f}M", f"{row['flops_per_image'] / 1e9:.2f}",
+          f"{row['batch']}", f"{row['step_ms']:.0f} ({row['step_ms_min']:.0f})", cpu_timing.steps_used(row),
+          f"{row['img_per_s']:.2f}", f"{row['gflops']:.1f}", cpu_timing.peak_cell(row),
+          f"{row['gflops'] / ref32['gflops'] if ref32 else float('nan'):.2f}x",
+          f"{row['other_cores_median']:.2f}"] for row in rows]))
 
 
 def best_ratios(rows):
@@ -262,12 +261,11 @@ def best_ratios(rows):
         print(f"\nbest of ours: {best['config']}, {best['gflops']:.1f} GFLOP/s")
         for ref, goal in (("theirs fp32", 2.5), ("theirs fp32+cl", None), ("theirs bf16+cl", 1.2)):
             if ref in by:
-                fl, im = best["gflops"] / by[ref]["gflops"], best["img_per_s"] / by[ref]["img_per_s"]
-                noisy = "all" in (best["steps_used"], by[ref]["steps_used"])
-                ratios[ref] = {"flops_ratio": fl, "img_per_s_ratio": im, "goal": goal, "noisy": noisy}
+                ratios[ref] = r = {**reporting.ratio_entry(best, by[ref]), "goal": goal}
+                fl = r["flops_ratio"]
                 verdict = f" (goal >= {goal}x: {'met' if fl >= goal else 'NOT met'})" if goal else ""
-                print(f"  vs {ref}: {fl:.2f}x FLOP/s{verdict}, {im:.2f}x img/s"
-                      + (" [NOISY: contended steps]" if noisy else ""))
+                print(f"  vs {ref}: {fl:.2f}x FLOP/s{verdict}, {r['img_per_s_ratio']:.2f}x img/s"
+                      + (" [NOISY: contended steps]" if r["noisy"] else ""))
     return ratios
 
 

@@ -67,9 +67,10 @@ import itertools
 import time
 
 import cpu_timing
-import errors
+import reporting
 from cpu_timing import CPU, count_flops
 from cpu_vs_ddpm_pytorch import count_ours
+from machinery import errors
 
 import torch
 import torch.nn.functional as F
@@ -224,7 +225,7 @@ def parse_args(argv):
 def prepare(args):
     """Threads and malloc set, the header printed, the matmul peaks measured and the FLOPs counted ->
     (t_start, env, peaks32, peaks16, (theirs, ours, ours by mfu.train_flops_per_image))."""
-    import mfu
+    from machinery import mfu
 
     torch.set_num_threads(args.threads)
     kept = not args.glibc_default and mfu.keep_freed_memory()  # process-wide: theirs gains from it as well
@@ -244,7 +245,7 @@ def prepare(args):
 
 def build_rows(args, batches, dropouts, ours_modes, their_modes, flops):
     """One row per batch, dropout and configuration (cpu_timing's rows), theirs first."""
-    import runs
+    from machinery import runs
 
     cache, rows = {}, []
 
@@ -274,19 +275,12 @@ def build_rows(args, batches, dropouts, ours_modes, their_modes, flops):
 def compare(rows, their_modes, peak16):
     """Each row's fraction of the bf16 peak, and ours against theirs of the same batch and dropout
     -> ratios."""
-    ratios = {}
     for row in rows:
         row["frac_of_bf16_peak"] = row["gflops"] * 1e9 / peak16
-        if row["family"] != "ours":
-            continue
-        for ref in their_modes:
-            theirs = next(r for r in rows if r["family"] == "theirs" and r["mode"] == ref
-                          and r["batch"] == row["batch"] and r["dropout"] == row["dropout"])
-            row[f"vs_theirs_{ref}"] = theirs["step_ms"] / row["step_ms"]
-            ratios[f"{row['config']} / {theirs['config']}"] = {
-                "img_per_s_ratio": row[f"vs_theirs_{ref}"], "flops_ratio": row["gflops"] / theirs["gflops"],
-                "noisy": "all" in (row["steps_used"], theirs["steps_used"])}
-    return ratios
+    pairs = reporting.against_theirs(rows, their_modes, lambda theirs, ref, ours: (
+        theirs["mode"], theirs["batch"], theirs["dropout"]) == (ref, ours["batch"], ours["dropout"]))
+    return {f"{ours['config']} / {theirs['config']}": reporting.ratio_entry(ours, theirs)
+            for ours, _, theirs in pairs}
 
 
 def report(args, rows, their_modes, t_start, peaks32, peaks16, flops):
@@ -299,19 +293,18 @@ def report(args, rows, their_modes, t_start, peaks32, peaks16, flops):
           f"timed steps; "
           f"counted GFLOP/image: theirs {flops[0] / 1e9:.2f}, ours {flops[1] / 1e9:.2f}; "
           f"total wall {time.time() - t_start:.0f} s\n")
-    heads = [f"ours / theirs {m} (img/s)" for m in their_modes]
-    print("| config | dropout | batch | median ms/step (min-max) | steps used | img/s | counted GFLOP/s | "
-          "of measured matmul peak | " + " | ".join(heads) + " | others |")
-    print("|---|---|---|---|---|---|---|---|" + "---|" * len(heads) + "---|")
+    lines = []
     for row in rows:
         frac = f"{100 * row['frac_of_bf16_peak']:.0f}% of bf16"
         if row["precision"] == "fp32":
             frac += f", {100 * row['frac_of_fp32_peak']:.0f}% of fp32"
-        cells = [f"{row[f'vs_theirs_{m}']:.2f}x" if f"vs_theirs_{m}" in row else "" for m in their_modes]
-        print(f"| {row['family']} {row['mode']} | {row['dropout']:g} | {row['batch']} | {row['step_ms']:.0f} "
-              f"({row['step_ms_min']:.0f}-{row['step_ms_max']:.0f}) | {cpu_timing.steps_used(row)} | "
-              f"{row['img_per_s']:.2f} | {row['gflops']:.1f} | {frac} | " + " | ".join(cells) +
-              f" | {row['other_cores_median']:.2f} |")
+        lines.append([f"{row['family']} {row['mode']}", f"{row['dropout']:g}", f"{row['batch']}",
+                      reporting.spread(row), cpu_timing.steps_used(row), f"{row['img_per_s']:.2f}",
+                      f"{row['gflops']:.1f}", frac, *reporting.ratio_cells(row, their_modes),
+                      f"{row['other_cores_median']:.2f}"])
+    print(reporting.table(["config", "dropout", "batch", "median ms/step (min-max)", "steps used", "img/s",
+                           "counted GFLOP/s", "of measured matmul peak",
+                           *(f"ours / theirs {m} (img/s)" for m in their_modes), "others"], lines))
 
 
 def main(argv=None):

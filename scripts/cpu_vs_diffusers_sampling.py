@@ -31,8 +31,9 @@ import copy
 import time
 
 import cpu_timing
-import errors
+import reporting
 from cpu_timing import CPU
+from machinery import errors
 
 import torch
 
@@ -93,14 +94,14 @@ def build_ours(ours, mc, sampler, precision, batch, steps, compile="false", devi
 
     def step():
         x = ddpm.sample(diffusion, net, shape, sampler=sampler, steps=steps, capture=capture,
-                             noise=sampling.ImageNoise(0, range(batch)))
+                        noise=sampling.ImageNoise(0, range(batch)))
         return evaluate.to_uint8(x).permute(0, 2, 3, 1).cpu().numpy()
 
     return step
 
 
 def build_rows(args, flops_per_eval):
-    import runs
+    from machinery import runs
 
     ours, theirs, mc = networks()
     n = sum(p.numel() for p in ours.parameters())
@@ -140,29 +141,19 @@ def conv_shares(rows):
 
 
 def report(rows, args, peak16):
-    print("\n| config | batch x steps | median s/batch (min-max) | steps used | img/s | counted GFLOP/s | "
-          "of bf16 matmul peak | ours / theirs fp32 | ours / theirs bf16 | in convolutions | others |\n"
-          + "|---" * 11 + "|")
-    ratios = {}
-    for row in rows:
-        cells = []
-        for ref in ("fp32", "bf16"):
-            theirs = next(r for r in rows if r["family"] == "theirs" and r["sampler"] == row["sampler"]
-                          and r["precision"] == ref and not r["compiled"])
-            if row["family"] == "ours":
-                ratio = theirs["step_ms"] / row["step_ms"]
-                ratios[f"{row['config']} / {theirs['config']}"] = ratio
-                cells.append(f"{ratio:.2f}x")
-            else:
-                cells.append("")
-        conv = f"{100 * row['conv_share']:.0f}%" if "conv_share" in row else ""
-        print(f"| {row['config']} | {args.batch} x {args.steps} | {row['step_ms'] / 1e3:.2f} "
-              f"({row['step_ms_min'] / 1e3:.2f}-{row['step_ms_max'] / 1e3:.2f}) | "
-              f"{cpu_timing.steps_used(row)} | "
-              f"{row['img_per_s']:.2f} | {row['gflops']:.1f} | {100 * row['gflops'] * 1e9 / peak16:.0f}% | "
-              f"{' | '.join(cells)} | {conv} | "
-              f"{row['other_cores_median']:.2f} |")
-    return ratios
+    """The table, ours against theirs of the same sampler in fp32 and bf16 -> the ratios (img/s)."""
+    refs = ("fp32", "bf16")
+    pairs = reporting.against_theirs(rows, refs, lambda theirs, ref, ours: (
+        theirs["sampler"], theirs["precision"], theirs["compiled"]) == (ours["sampler"], ref, False))
+    lines = [[row["config"], f"{args.batch} x {args.steps}", reporting.spread(row, 2, 1e3),
+              cpu_timing.steps_used(row), f"{row['img_per_s']:.2f}", f"{row['gflops']:.1f}",
+              f"{100 * row['gflops'] * 1e9 / peak16:.0f}%", *reporting.ratio_cells(row, refs),
+              f"{100 * row['conv_share']:.0f}%" if "conv_share" in row else "",
+              f"{row['other_cores_median']:.2f}"] for row in rows]
+    heads = ["config", "batch x steps", "median s/batch (min-max)", "steps used", "img/s", "counted GFLOP/s",
+             "of bf16 matmul peak", *(f"ours / theirs {m}" for m in refs), "in convolutions", "others"]
+    print("\n" + reporting.table(heads, lines))
+    return {f"{ours['config']} / {theirs['config']}": ours[f"vs_theirs_{ref}"] for ours, ref, theirs in pairs}
 
 
 def parse_args(argv):
@@ -189,7 +180,8 @@ def main(argv=None):
         args = parse_args(argv)
     if not cpu_timing.importable("diffusers", "pip install diffusers"):
         return None
-    import mfu
+    import unet
+    from machinery import mfu
 
     with errors.reported():
         torch.set_num_threads(args.threads)
@@ -201,7 +193,7 @@ def main(argv=None):
         peaks32, peaks16 = cpu_timing.measure_peaks()
         import ddpm
 
-        flops_per_eval = mfu.forward_flops_per_image(ddpm.ModelConfig(dropout=0.0))
+        flops_per_eval = mfu.forward_flops_per_image(unet.UNet, ddpm.ModelConfig(dropout=0.0))
         rows = build_rows(args, flops_per_eval)
         cpu_timing.warm_up(rows)
         cpu_timing.run_interleaved(rows, args.contended, args.budget_s)

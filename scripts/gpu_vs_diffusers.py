@@ -18,15 +18,13 @@ it prints one line and exits 0 (scripts/gpu_bench.sh carries diffusers and impor
 import argparse
 import datetime
 import itertools
-import json
-import statistics
 import sys
 
 import cpu_timing  # puts the repository root on sys.path
-import errors
-import files
+import reporting
 from cpu_vs_ddpm_pytorch import count_ours
 from cpu_vs_diffusers import OUR_MODES, THEIR_MODES, build_ours, build_theirs, count_theirs, parse_list
+from machinery import errors
 
 import torch
 
@@ -55,7 +53,7 @@ def parse_args(argv):
 
 def open_device(name):
     """The device (made current on a GPU, for StepTimer's events and syncs); a bad name raises UserError."""
-    import group
+    from machinery import group
 
     device = group.resolve_device(name)  # a bad name: its UserError
     if device.type == "cuda":
@@ -67,7 +65,7 @@ def open_device(name):
 
 def environment(device):
     """Date, device, torch, diffusers and git state, printed as the header line."""
-    import mfu
+    from machinery import mfu
 
     name = mfu.device_name(device)
     env = {"date": str(datetime.date.today()), "device": name, "torch": torch.__version__,
@@ -78,17 +76,16 @@ def environment(device):
 
 def peak_flops(device):
     """The datasheet's dense bf16 peak on a GPU; else (or unknown) the measured bf16 matmul rate."""
-    import mfu
+    from machinery import mfu
 
     peak = mfu.datasheet_peak(device, "bf16") if device.type == "cuda" else None
     return peak or mfu.measure_matmul_flops(device, torch.bfloat16)
 
 
-def build_rows(args, batches, ours, theirs, device):
+def build_rows(args, batches, ours, theirs, device, flops):
     """One row per batch and configuration, each with its step (`_run`) and its StepTimer (`_timer`);
-    configurations of one side (and, for ours, mode) share one model."""
-    import mfu
-    import runs
+    configurations of one side (and, for ours, mode) share one model. flops: counted per image, by side."""
+    from machinery import mfu, runs
 
     steps, rows = {}, []
     for batch, (family, mode) in itertools.product(batches, [("theirs", m) for m in theirs] +
@@ -109,7 +106,7 @@ def build_rows(args, batches, ours, theirs, device):
                 runs.set_matmul_precision(p)
                 s(b)
         rows.append({"config": f"{family} {mode}", "family": family, "mode": mode, "batch": batch,
-                     "_run": run, "_timer": mfu.StepTimer(device)})
+                     "flops_per_image": flops[family], "_run": run, "_timer": mfu.StepTimer(device)})
     return rows
 
 
@@ -137,7 +134,7 @@ def run_rows(rows, warmup, timed):
 def profile_rows(rows, device):
     """--profile: two more steps of each row under torch.profiler (mfu.kernel_profile), as row['profile'];
     one line each. -> whether it was cut short."""
-    import mfu
+    from machinery import mfu
 
     try:
         for row in rows:
@@ -149,25 +146,10 @@ def profile_rows(rows, device):
     return False
 
 
-def summarize(rows, flops, peak, theirs):
+def summarize(rows, peak, theirs):
     """-> the rows with timed steps, each with its median step, img/s, TFLOP/s, MFU and ratios to theirs."""
-    for row in rows:
-        row["_times"] = row.pop("_timer").read_ms()
-        row.pop("_run")
-    rows = [r for r in rows if r["_times"]]
-    for row in rows:
-        times = row.pop("_times")
-        row["timed_steps"] = len(times)
-        ms = statistics.median(times)
-        tflops = flops[row["family"]] * row["batch"] / ms / 1e9
-        row.update(step_ms=ms, step_ms_min=min(times), step_ms_max=max(times), tflops=tflops,
-                   img_per_s=row["batch"] / ms * 1e3, mfu_bf16=tflops * 1e12 / peak,
-                   flops_per_image=flops[row["family"]])
-    for row in rows:
-        for ref in theirs:
-            other = [r for r in rows if (r["family"], r["mode"], r["batch"]) == ("theirs", ref, row["batch"])]
-            if row["family"] == "ours" and other:
-                row[f"vs_theirs_{ref}"] = row["img_per_s"] / other[0]["img_per_s"]
+    rows = reporting.timed_medians(rows, peak)
+    reporting.against_theirs(rows, theirs, lambda t, ref, o: (t["mode"], t["batch"]) == (ref, o["batch"]))
     return rows
 
 
@@ -177,24 +159,20 @@ def report(args, rows, flops, peak, gpu, theirs):
     print(f"\ncounted GFLOP per training image: theirs {flops['theirs'] / 1e9:.2f}, "
           f"ours {flops['ours'] / 1e9:.2f}; MFU against {peak / 1e12:.3g} TFLOP/s bf16 ({what}); "
           f"median of up to {args.timed} interleaved steps after {args.warmup} warm-up\n")
-    heads = [f"ours / theirs {m}" for m in theirs]
-    print("| config | batch | median ms/step (min-max) | img/s | TFLOP/s | MFU (bf16) | " + " | ".join(heads)
-          + " |")
-    print("|---|---|---|---|---|---|" + "---|" * len(heads))
-    for r in rows:
-        cells = [f"{r[f'vs_theirs_{m}']:.2f}x" if f"vs_theirs_{m}" in r else "" for m in theirs]
-        print(f"| {r['config']} | {r['batch']} | {r['step_ms']:.1f} "
-              f"({r['step_ms_min']:.1f}-{r['step_ms_max']:.1f}) | {r['img_per_s']:.1f} | {r['tflops']:.2f} | "
-              f"{100 * r['mfu_bf16']:.1f}% | " + " | ".join(cells) + " |")
+    print(reporting.table(
+        ["config", "batch", "median ms/step (min-max)", "img/s", "TFLOP/s", "MFU (bf16)",
+         *(f"ours / theirs {m}" for m in theirs)],
+        [[r["config"], f"{r['batch']}", reporting.spread(r, 1), f"{r['img_per_s']:.1f}", f"{r['tflops']:.2f}",
+          f"{100 * r['mfu_bf16']:.1f}%", *reporting.ratio_cells(r, theirs)] for r in rows]))
 
 
-def save(args, env, interrupted, peak, rows):
-    """Every measurement to --json (when given), created fresh and renamed into place."""
+def save(args, env, interrupted, peak, rows, **fields):
+    """Every measurement to --json (when given), created fresh and renamed into place: env, then `fields`
+    (what the run was: its dropout, ...), then the timing settings and the rows."""
     if args.json:
-        with files.created(args.json, "w") as f:
-            json.dump({**env, "dropout": args.dropout, "warmup": args.warmup, "timed": args.timed,
-                       "interrupted": interrupted, "peak_bf16_tflops": peak / 1e12, "rows": rows}, f,
-                      indent=2)
+        reporting.write_json(args.json, {**env, **fields, "warmup": args.warmup, "timed": args.timed,
+                                         "interrupted": interrupted, "peak_bf16_tflops": peak / 1e12,
+                                         "rows": rows})
 
 
 def main(argv=None):
@@ -207,13 +185,13 @@ def main(argv=None):
         env = environment(device)
         flops = {"theirs": count_theirs(), "ours": count_ours()[0]}
         peak = peak_flops(device)
-        rows = build_rows(args, batches, ours, theirs, device)
+        rows = build_rows(args, batches, ours, theirs, device, flops)
         interrupted = run_rows(rows, args.warmup, args.timed)
         if args.profile and not interrupted:
             interrupted = profile_rows(rows, device)
-        rows = summarize(rows, flops, peak, theirs)
+        rows = summarize(rows, peak, theirs)
         report(args, rows, flops, peak, device.type == "cuda", theirs)
-        save(args, env, interrupted, peak, rows)
+        save(args, env, interrupted, peak, rows, dropout=args.dropout)
     if interrupted:
         sys.exit(130)
     return rows

@@ -22,14 +22,14 @@ Issue 25's GPU target: ours >= 2x theirs in the same precision. Without diffuser
 exits 0.
 """
 import argparse
-import statistics
 import sys
 
 import cpu_timing  # puts the repository root on sys.path
-import errors
+import reporting
 from cpu_vs_diffusers import parse_list
 from cpu_vs_diffusers_sampling import build_ours, build_theirs, networks
 from gpu_vs_diffusers import environment, open_device, peak_flops, profile_rows, run_rows, save
+from machinery import errors
 
 import numpy as np
 
@@ -66,11 +66,12 @@ def parse_args(argv):
 
 def build_rows(args, device):
     """One row per batch and configuration, theirs first, each with its step (`_run`) and StepTimer."""
-    import mfu
-    import runs
+    import unet
+    from machinery import mfu, runs
 
     ours_net, theirs_net, mc = networks(base_channels=args.base_channels)
     theirs_net.to(device)
+    flops = mfu.forward_flops_per_image(unet.UNet, mc) * args.steps
     rows = []
     for batch in args.batches:
         for mode in args.theirs:
@@ -84,8 +85,8 @@ def build_rows(args, device):
             rows.append({"config": f"ours {name}", "family": "ours", "precision": precision, "batch": batch,
                          "compile": compile, "_run": run})
     for row in rows:
-        row["_timer"] = mfu.StepTimer(device)
-    return rows, mfu.forward_flops_per_image(mc) * args.steps
+        row.update(flops_per_image=flops, _timer=mfu.StepTimer(device))
+    return rows, flops
 
 
 def same_images(rows):
@@ -100,26 +101,14 @@ def same_images(rows):
                    mean_diff_levels=float(diff.mean()), share_differing=float((diff > 0).mean()))
 
 
-def summarize(rows, flops, peak):
+def summarize(rows, peak):
     """-> the rows with timed steps: median step, img/s, TFLOP/s, MFU, ratios to theirs in each precision."""
     same_images(rows)
     for row in rows:
-        row["_times"] = row.pop("_timer").read_ms()
-        row.pop("_run")
         row.pop("_images", None)
-    rows = [r for r in rows if r["_times"]]
-    for row in rows:
-        times = row.pop("_times")
-        ms = statistics.median(times)
-        row.update(timed_steps=len(times), step_ms=ms, step_ms_min=min(times), step_ms_max=max(times),
-                   img_per_s=row["batch"] / ms * 1e3, tflops=flops * row["batch"] / ms / 1e9)
-        row["mfu_bf16"] = row["tflops"] * 1e12 / peak
-    for row in rows:
-        for ref in THEIRS:
-            other = [r for r in rows
-                     if (r["family"], r["precision"], r["batch"]) == ("theirs", ref, row["batch"])]
-            if row["family"] == "ours" and other:
-                row[f"vs_theirs_{ref}"] = row["img_per_s"] / other[0]["img_per_s"]
+    rows = reporting.timed_medians(rows, peak)
+    reporting.against_theirs(rows, THEIRS,
+                             lambda t, ref, o: (t["precision"], t["batch"]) == (ref, o["batch"]))
     return rows
 
 
@@ -127,18 +116,17 @@ def report(args, rows, flops, peak):
     print(f"\ncounted GFLOP per image: {flops / 1e9:.1f} ({args.steps} DDIM steps); MFU against "
           f"{peak / 1e12:.3g} TFLOP/s bf16; median of up to {args.timed} interleaved batches after "
           f"{args.warmup} warm-up\n")
-    print("| config | batch | median ms/batch (min-max) | img/s | TFLOP/s | MFU (bf16) | ours / theirs fp32 "
-          "| ours / theirs bf16 | images against eager |\n" + "|---" * 9 + "|")
+    lines = []
     for r in rows:
-        cells = [f"{r[f'vs_theirs_{m}']:.2f}x" if f"vs_theirs_{m}" in r else "" for m in THEIRS]
         same = ("identical" if r.get("identical_to_eager") else
                 f"{100 * r['share_differing']:.2f}% differ, mean {r['mean_diff_levels']:.3f} levels, "
                 f"max {r['max_diff_levels']}"
                 if "max_diff_levels" in r else "")
-        print(f"| {r['config']} | {r['batch']} | {r['step_ms']:.1f} "
-              f"({r['step_ms_min']:.1f}-{r['step_ms_max']:.1f}) | {r['img_per_s']:.1f} | {r['tflops']:.2f} | "
-              f"{100 * r['mfu_bf16']:.1f}% | "
-              + " | ".join(cells) + f" | {same} |")
+        lines.append([r["config"], f"{r['batch']}", reporting.spread(r, 1), f"{r['img_per_s']:.1f}",
+                      f"{r['tflops']:.2f}", f"{100 * r['mfu_bf16']:.1f}%", *reporting.ratio_cells(r, THEIRS),
+                      same])
+    print(reporting.table(["config", "batch", "median ms/batch (min-max)", "img/s", "TFLOP/s", "MFU (bf16)",
+                           *(f"ours / theirs {m}" for m in THEIRS), "images against eager"], lines))
 
 
 def main(argv=None):
@@ -154,10 +142,10 @@ def main(argv=None):
         interrupted = run_rows(rows, args.warmup, args.timed)
         if args.profile and not interrupted:
             interrupted = profile_rows(rows, device)
-        rows = summarize(rows, flops, peak)
+        rows = summarize(rows, peak)
         report(args, rows, flops, peak)
-        args.dropout = 0.0  # save() records it: sampling runs without dropout
-        save(args, {**env, "steps": args.steps, "base_channels": args.base_channels}, interrupted, peak, rows)
+        save(args, env, interrupted, peak, rows, steps=args.steps, base_channels=args.base_channels,
+             dropout=0.0)  # sampling runs without dropout
     if interrupted:
         sys.exit(130)
     return rows

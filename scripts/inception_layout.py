@@ -15,9 +15,8 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
-import fid  # noqa: E402
-import group  # noqa: E402
-from errors import UserError, reported  # noqa: E402
+from machinery import fid, group
+from machinery.errors import UserError, reported  # noqa: E402
 
 LAYOUTS = {"channels_last": torch.channels_last, "contiguous": torch.contiguous_format}
 

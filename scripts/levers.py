@@ -25,14 +25,12 @@ import statistics
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+import reporting  # puts the repository root on sys.path
+from reporting import ROOT, format_summary, summary, verdict
 
-import ddpm  # noqa: E402
-import files  # noqa: E402
-import runs  # noqa: E402
-from errors import UserError, reported  # noqa: E402
+import ddpm
+from machinery import runs
+from machinery.errors import UserError, reported
 
 # the CPU study's base: Ho et al.'s network shape scaled to 2 CPU cores (2x2 patches, 3 levels, 6.5M
 # parameters, ~48 img/s in fp32 on the AVX2 EPYC), Ho's objective (eps, linear betas, dropout 0.1, AdamW,
@@ -44,8 +42,8 @@ BASE = ("--dataset=folder --image_size=32 --patch_size=2 --base_channels=64 --ch
         "--ckpt_every_steps=500 --eval_fid_samples=1000 --fid_ref_images=10000 --eval_bpd_images=0 "
         "--ema_snapshot_kimg=0")
 # the study's runs snapshot the post-hoc EMA (every 8 kimg, no sweep at the end), so that the EMA length is
-# read from the base's snapshots afterwards (sample.py --ema_length) instead of costing runs
-STUDY = BASE + " --ema_snapshot_kimg=8 --ema_eval_widths="
+# read from the base's snapshots afterwards (python -m machinery.phema) instead of costing runs
+STUDY = BASE + " --ema_snapshot_kimg=8 --ema_eval_sigma_rels="
 ARMS = {  # one lever each, named as the table shows it
     "base": "",
     "lr2.5e-4": "--lr=2.5e-4",
@@ -152,39 +150,15 @@ def minutes(row):
     return (row["wall_s"] + row["eval_s"]) / 60
 
 
-def summary(values):
-    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else math.nan)
-
-
-def format_summary(values):
-    """mean ± s.d., or the one value where there is one seed (no s.d.)."""
-    return "{:.2f} ± {:.2f}".format(*summary(values)) if len(values) > 1 else f"{values[0]:.2f}"
-
-
-def verdict(mine, reference):
-    """A (mean, s.d.) against the base's, lower is better: the difference, and whether it exceeds 2 s.d. (the
-    larger of the two). An arm of one seed has no s.d. of its own: it is read against the base's, on the
-    assumption that seeds scatter alike in every arm, and marked so."""
-    diff = mine[0] - reference[0]
-    if math.isnan(reference[1]):
-        return f"{diff:+.2f} (one seed of the base: no s.d.)"
-    noise, note = (2 * reference[1], " (the base's s.d.)") if math.isnan(mine[1]) else \
-        (2 * max(mine[1], reference[1]), "")
-    reading = "within 2 s.d." if abs(diff) <= noise else "better" if diff < 0 else "worse"
-    return f"{diff:+.2f}: {reading}{note}"
-
-
 def table(results, metric, kimg):
     """The markdown table: each arm's mean ± s.d., its difference from the base and whether that exceeds 2
     s.d. (verdict), and its wall-clock."""
     base = summary(results["base"]["values"])
-    lines = [f"| arm | flags | {metric} (mean ± s.d.) | seeds | against base | minutes per run |",
-             "|---|---|---|---|---|---|"]
-    for name, r in results.items():
-        against = "—" if name == "base" else verdict(summary(r["values"]), base)
-        lines.append(f"| {name} | `{r['flags'] or '(none)'}` | {format_summary(r['values'])} | "
-                     f"{len(r['values'])} | {against} | {statistics.fmean(r['minutes']):.1f} |")
-    return f"{kimg:g} kimg per run; lower is better\n\n" + "\n".join(lines) + "\n"
+    lines = [[name, f"`{r['flags'] or '(none)'}`", format_summary(r["values"]), f"{len(r['values'])}",
+              "—" if name == "base" else verdict(summary(r["values"]), base),
+              f"{statistics.fmean(r['minutes']):.1f}"] for name, r in results.items()]
+    return f"{kimg:g} kimg per run; lower is better\n\n" + reporting.table(
+        ["arm", "flags", f"{metric} (mean ± s.d.)", "seeds", "against base", "minutes per run"], lines) + "\n"
 
 
 def main(argv=None):
@@ -220,11 +194,10 @@ def main(argv=None):
                      f"{', '.join(missing)}\n")
         if left_out:
             text += f"\nLeft out ({len(left_out)} runs): {', '.join(left_out)}\n"
-        with files.created(os.path.join(args.out, "levers.md"), "w") as f:
-            f.write(text)
-        with files.created(os.path.join(args.out, "levers.json"), "w") as f:
-            json.dump({"base": args.base, "kimg": args.kimg, "metric": metric, "arms": results,
-                       "not_finished": missing, "left_out": left_out}, f, indent=2)
+        reporting.write_text(os.path.join(args.out, "levers.md"), text)
+        reporting.write_json(os.path.join(args.out, "levers.json"), {
+            "base": args.base, "kimg": args.kimg, "metric": metric, "arms": results, "not_finished": missing,
+            "left_out": left_out})
         print(text, end="")
         return results
 

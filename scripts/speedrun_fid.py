@@ -25,8 +25,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-import files  # noqa: E402
-from errors import UserError, reported  # noqa: E402
+from machinery import files
+from machinery.errors import UserError, reported  # noqa: E402
 
 
 def parse(argv):

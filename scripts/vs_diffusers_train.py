@@ -53,10 +53,10 @@ for path in (ROOT, os.path.join(ROOT, "scripts")):
 
 import data  # noqa: E402
 import ddpm  # noqa: E402
-import fid  # noqa: E402
-import files  # noqa: E402
 import levers  # noqa: E402
-from errors import UserError, reported  # noqa: E402
+import reporting  # noqa: E402
+from machinery import fid, files  # noqa: E402
+from machinery.errors import UserError, reported  # noqa: E402
 
 NETWORK = levers.ARMS["patch1-narrow"]  # 1.53M parameters, unpatched: one group count diffusers can hold
 OURS = levers.BASE + " --eval_fid_samples=0 --num_samples=0"
@@ -139,8 +139,7 @@ class Record:
             print(f"{name}: finished before, read from {self.path}", flush=True)
         else:
             self.done[name] = work()
-            with files.created(self.path, "w") as f:
-                json.dump({"settings": self.settings, "done": self.done}, f, indent=2)
+            reporting.write_json(self.path, {"settings": self.settings, "done": self.done})
         return self.done[name]
 
 
@@ -250,21 +249,21 @@ def comparisons(equal_wall):
 
 def table(done, seeds, steps, equal_wall):
     """Mean ± s.d. of each side's FID over the seeds at equal steps and at equal wall-clock, ours against
-    theirs read against 2 s.d. (levers.verdict)."""
-    rows = ["| comparison | side | steps | wall-clock (min) | FID (mean ± s.d.) | runs | ours against "
-            "theirs |", "|---|---|---|---|---|---|---|"]
+    theirs read against 2 s.d. (reporting.verdict)."""
     theirs = [done[f"theirs-s{s}-fid"]["fid"] for s in range(seeds)]
+    lines = []
     for label, side in comparisons(equal_wall):
         ours = [done[f"{side}-s{s}-fid"]["fid"] for s in range(seeds)]
         runs = [done[f"{side}-s{s}"] for s in range(seeds)]
-        diff = levers.verdict(levers.summary(ours), levers.summary(theirs))
-        rows += [f"| {label} | ours | {', '.join(sorted({str(r['steps']) for r in runs}))} | "
-                 f"{levers.summary([r['wall_s'] / 60 for r in runs])[0]:.1f} | "
-                 f"{levers.format_summary(ours)} | {seeds} | {diff} |"]
+        lines.append([label, "ours", ", ".join(sorted({str(r["steps"]) for r in runs})),
+                      f"{reporting.summary([r['wall_s'] / 60 for r in runs])[0]:.1f}",
+                      reporting.format_summary(ours), f"{seeds}",
+                      reporting.verdict(reporting.summary(ours), reporting.summary(theirs))])
     walls = [done[f"theirs-s{s}"]["wall_s"] / 60 for s in range(seeds)]
-    rows.append(f"| both | theirs | {steps} | {levers.summary(walls)[0]:.1f} | "
-                f"{levers.format_summary(theirs)} | {seeds} | — |")
-    return "\n".join(rows) + "\n"
+    lines.append(["both", "theirs", f"{steps}", f"{reporting.summary(walls)[0]:.1f}",
+                  reporting.format_summary(theirs), f"{seeds}", "—"])
+    return reporting.table(["comparison", "side", "steps", "wall-clock (min)", "FID (mean ± s.d.)", "runs",
+                            "ours against theirs"], lines) + "\n"
 
 
 def main(argv=None):
@@ -309,8 +308,7 @@ def main(argv=None):
                 f"{args.fid_samples} samples ({args.sampler}, {args.sample_steps} steps) against "
                 f"{tc.fid_ref_images or 'all'} training images; lower is better\n\n" + table(
                     record.done, args.seeds, steps, args.equal_wall))
-        with files.created(at("vs_diffusers.md"), "w") as f:
-            f.write(text)
+        reporting.write_text(at("vs_diffusers.md"), text)
         print(text, end="")
         return record.done
 

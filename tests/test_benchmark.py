@@ -6,10 +6,10 @@ import pytest
 import torch
 from conftest import tiny_model
 
-import ladder
 import benchmark
 import ddpm
-from mfu import train_flops_per_image
+import ladder
+from machinery.mfu import train_flops_per_image
 from unet import Attention, UNet
 
 
@@ -46,7 +46,7 @@ def test_flop_counter_matches_analytic_count(kw, attention):
     mc = tiny_model(**kw)
     if mc.patch_size == 2:
         mc.attn_resolutions = (4,)
-    assert train_flops_per_image(mc, attention) == analytic_train_flops(mc)
+    assert train_flops_per_image(UNet, mc, attention) == analytic_train_flops(mc)
 
 
 def test_cpu_ladder_rows_are_well_formed(tmp_path):
@@ -174,12 +174,12 @@ def test_batch_search_says_when_not_even_the_first_batch_fits(monkeypatch):
     with pytest.raises(RuntimeError, match="even batch 128 does not fit"):
         ladder.largest_batch(tiny_model(), {}, torch.device("cpu"),
                              torch.zeros(512, 3, 16, 16, dtype=torch.uint8),
-                                torch.zeros(512, dtype=torch.long), 128, 16384)
+                             torch.zeros(512, dtype=torch.long), 128, 16384)
 
 
 @pytest.mark.parametrize("preset,q,attn", [("ffhq-p4", 1, (64, 32)), ("ffhq-p4", 8, (8, 4)),
                                            ("lsun-p2", 4, (8, 4)),
-                                          ("seed", 2, (16, 8, 4, 2))])
+                                           ("seed", 2, (16, 8, 4, 2))])
 def test_any_patch_size_attends_over_the_same_regions(preset, q, attn):
     mc, tc, _ = ddpm.parse_args(["--preset", preset])
     row = benchmark.repatched(mc, q)
@@ -260,7 +260,7 @@ def test_the_cpu_peak_is_the_best_this_machine_has_shown(tmp_path, monkeypatch, 
     """A start-up under load measures a low peak, which would inflate MFU: the best rate seen for the
     machine is remembered and used; a damaged table is said in one warning line and written anew, and a
     link planted at its folder is never written through."""
-    import mfu
+    from machinery import mfu
 
     monkeypatch.setattr(mfu, "PEAK_CACHE", str(tmp_path / "ddpm" / "peaks.json"))
     assert mfu.remembered_best("cpu A", 2e11) == 2e11

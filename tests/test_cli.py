@@ -4,7 +4,7 @@ from conftest import one_line_error
 
 import ddpm
 from ddpm import parse_args
-from errors import UserError
+from machinery.errors import UserError
 
 
 def test_defaults_are_ho_et_al():

@@ -7,8 +7,8 @@ import pytest
 import torch
 from PIL import Image
 
-from errors import UserError
 from data import Loader, ResidentLoader, image_folder, load_dataset, shapes
+from machinery.errors import UserError
 
 
 def test_shapes_is_deterministic_any_size_and_labelled():

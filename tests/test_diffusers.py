@@ -10,10 +10,10 @@ import torch
 from conftest import tiny_model, tiny_trainer
 
 import ddpm
-import diffusers_io
 import sample
 import unet
 from ddpm import ModelConfig, train
+from machinery import diffusers_io
 from unet import UNet
 
 diffusers = pytest.importorskip("diffusers")
@@ -66,8 +66,8 @@ def test_round_trip_is_bitwise(tmp_path):
     back = unet.load_diffusers_state_dict(UNet(wide()), unet.diffusers_state_dict(ours))
     for (name, a), b in zip(ours.state_dict().items(), back.state_dict().values()):
         assert torch.equal(a, b), name
-    diffusers_io.write(str(tmp_path / "hub"), ours, wide())  # and through the files
-    fields, state, _ = diffusers_io.read(str(tmp_path / "hub"))
+    diffusers_io.write(str(tmp_path / "hub"), ours, wide(), unet)  # and through the files
+    fields, state, _ = diffusers_io.read(str(tmp_path / "hub"), unet)
     again = unet.load_diffusers_state_dict(UNet(dataclasses.replace(wide(), **fields)), state)
     assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), again.state_dict().values()))
 
@@ -111,8 +111,8 @@ def test_a_narrow_network_goes_both_ways_with_one_group_count(tmp_path):
         unet.diffusers_state_dict(UNet(tiny_model(base_channels=32)))
     mc = tiny_model(base_channels=32, norm_groups=16)
     ours = randomise(UNet(mc))
-    diffusers_io.write(str(tmp_path / "hub"), ours, mc)
-    fields, state, _ = diffusers_io.read(str(tmp_path / "hub"))
+    diffusers_io.write(str(tmp_path / "hub"), ours, mc, unet)
+    fields, state, _ = diffusers_io.read(str(tmp_path / "hub"), unet)
     assert fields["norm_groups"] == 16
     assert json.load(open(tmp_path / "hub" / "config.json"))["norm_num_groups"] == 16
     again = unet.load_diffusers_state_dict(UNet(dataclasses.replace(mc, **fields)), state)
@@ -174,7 +174,7 @@ def test_sampling_a_save_pretrained_folder_equals_our_checkpoint(tmp_path):
     ("scheduler_config.json", {"beta_schedule": "scaled_linear"}, "beta_schedule='scaled_linear'"),
 ])
 def test_configs_our_unet_cannot_express_are_one_line(tmp_path, capsys, file, change, needle):
-    diffusers_io.write(str(tmp_path / "hub"), UNet(wide()), wide())
+    diffusers_io.write(str(tmp_path / "hub"), UNet(wide()), wide(), unet)
     path = tmp_path / "hub" / file
     path.write_text(json.dumps({**json.loads(path.read_text()), **change}))
     with pytest.raises(SystemExit) as e:
@@ -196,7 +196,7 @@ def test_configs_our_unet_cannot_express_are_one_line(tmp_path, capsys, file, ch
 def test_bad_folders_and_exports_are_one_line(tmp_path, capsys, args, needle):
     save_ema(UNet(wide()), wide(), tmp_path / "ema.pt")
     save_ema(UNet(wide(num_classes=4)), wide(num_classes=4), tmp_path / "cond.pt")
-    diffusers_io.write(str(tmp_path / "hub"), UNet(wide()), wide())
+    diffusers_io.write(str(tmp_path / "hub"), UNet(wide()), wide(), unet)
     (tmp_path / "plain").mkdir()
     with pytest.raises(SystemExit) as e:
         sample.main([a.format(d=tmp_path) for a in args])
@@ -222,7 +222,7 @@ def test_sharded_safetensors_load(tmp_path):
     from safetensors.torch import load_file, save_file
 
     ours = randomise(UNet(wide()))
-    diffusers_io.write(str(tmp_path / "hub"), ours, wide())
+    diffusers_io.write(str(tmp_path / "hub"), ours, wide(), unet)
     state = load_file(str(tmp_path / "hub" / diffusers_io.WEIGHTS))
     (tmp_path / "hub" / diffusers_io.WEIGHTS).unlink()
     names = sorted(state)

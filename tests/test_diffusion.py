@@ -153,7 +153,7 @@ def test_rsqrt_learning_rate_is_edm2s():
         assert ddpm.lr_at(step, tc) == pytest.approx(want, rel=1e-12)
     with pytest.raises(ddpm.UserError, match="lr_decay_steps"):
         ddpm.validate(ModelConfig(), ddpm.TrainerConfig(warmup_steps=500, lr_schedule="rsqrt",
-                                                         lr_decay_steps=400))
+                                                        lr_decay_steps=400))
 
 
 @pytest.mark.parametrize("prediction", ["eps", "x", "v"])
@@ -368,7 +368,7 @@ def test_heun_solves_the_gaussian_probability_flow_ode_to_second_order():
             calls = []
             model = lambda z, t, y: calls.append(1) or denoiser(z, t, y)  # noqa: E731
             x = sample(d, model, shape, sampler=sampler, steps=steps, threshold="none",
-                         generator=torch.Generator().manual_seed(0))
+                       generator=torch.Generator().manual_seed(0))
             ts = d.timestep_sequence(steps, spacing=ddpm.SAMPLERS[sampler].spacing)
             exact = heun_closed_form(d, torch.randn(shape, generator=torch.Generator().manual_seed(0)), ts,
                                      mu, s)
@@ -401,7 +401,7 @@ def test_a_registered_sampler_is_a_valid_choice_everywhere(monkeypatch):
     d = Diffusion(tiny_model())
     calls = []
     x = sample(d, lambda z, t, y: calls.append(1) or torch.zeros_like(z), (2, 3, 16, 16), sampler="first",
-                 steps=5, threshold="none")
+               steps=5, threshold="none")
     assert len(calls) == 1 and x.shape == (2, 3, 16, 16)
     ddpm.validate(tiny_model(), ddpm.TrainerConfig(sampler="first"))
     with pytest.raises(ValueError, match="unknown sampler 'nope'"):
@@ -417,7 +417,7 @@ def test_the_readme_sampler_table_is_the_registry():
     readme = open(os.path.join(ROOT, "README.md")).read()
     table = readme.split("| `--sampler` | default steps | eta | what |\n|---|---|---|---|\n", 1)[1]
     rows = {r[0]: r[1:] for r in re.findall(r"^\| `([^`]+)` \| ([^|]+) \| ([^|]+) \| (.+) \|$",
-                                              table.split("\n\n", 1)[0], re.M)}
+                                            table.split("\n\n", 1)[0], re.M)}
 
     def cells(s):
         return (str(s.steps) if s.steps else "all T", "none" if s.eta is None else f"{s.eta:g}", s.summary)

@@ -8,11 +8,11 @@ import torch
 from conftest import one_line_error
 from PIL import Image
 
-import beton
 import data
-from beton import write_beton
 from data import FFCVLoader, Loader, beton_for, make_loader, shapes
 from data import main as data_main
+from machinery import beton
+from machinery.beton import write_beton
 
 pytest.importorskip("ffcv", reason="ffcv is not installed (make setup installs it)")
 

@@ -10,10 +10,11 @@ import scipy.linalg
 import torch
 from conftest import one_line_error, read_metrics, tiny_model, tiny_trainer
 
-import fid
+import evaluate
 import sample
 from ddpm import train
-from errors import UserError
+from machinery import fid, phema
+from machinery.errors import UserError
 
 
 class TinyFeatures(torch.nn.Module):
@@ -56,11 +57,11 @@ def test_frechet_distance_matches_scipy():
 
 def test_reference_stats_are_cached_and_fid_of_the_data_itself_is_zero(tmp_path):
     ext = TinyFeatures()
-    ref = fid.reference_stats(ext, "shapes", "unused", 16, 96, "cpu", cache_dir=str(tmp_path), batch=32)
+    ref = evaluate.reference_stats(ext, "shapes", "unused", 16, 96, "cpu", cache_dir=str(tmp_path), batch=32)
     assert ext.calls == 3 and ref["features"].shape == (96, 16) and int(ref["n"]) == 96
     files = os.listdir(tmp_path)
     assert len(files) == 1 and files[0].startswith("shapes-train-16px-n96-tiny")
-    again = fid.reference_stats(ext, "shapes", "unused", 16, 96, "cpu", cache_dir=str(tmp_path))
+    again = evaluate.reference_stats(ext, "shapes", "unused", 16, 96, "cpu", cache_dir=str(tmp_path))
     assert ext.calls == 3  # read from the cache
     np.testing.assert_array_equal(again["sigma"], ref["sigma"])
 
@@ -81,7 +82,6 @@ def test_a_reference_of_fewer_images_is_a_fixed_draw_cached_apart(tmp_path, caps
     """fid_ref_images: the same n images of the split on every call (seed 0, the split's order kept), cached
     under a name of their own; more images than the split has is one line."""
     import data
-    import evaluate
 
     images = torch.arange(100)
     pick = fid.reference_subset(images, 30, "x")
@@ -91,11 +91,11 @@ def test_a_reference_of_fewer_images_is_a_fixed_draw_cached_apart(tmp_path, caps
     with pytest.raises(UserError, match="31 images asked of x, which has 30"):
         fid.reference_subset(images[:30], 31, "x")
     ext = TinyFeatures()
-    ref = fid.reference_stats(ext, "shapes", "unused", 16, 96, "cpu", str(tmp_path), ref_images=40)
-    full = fid.reference_stats(ext, "shapes", "unused", 16, 96, "cpu", str(tmp_path))
+    ref = evaluate.reference_stats(ext, "shapes", "unused", 16, 96, "cpu", str(tmp_path), ref_images=40)
+    full = evaluate.reference_stats(ext, "shapes", "unused", 16, 96, "cpu", str(tmp_path))
     assert int(ref["n"]) == 40 and int(full["n"]) == 96
     assert sorted(os.listdir(tmp_path)) == ["shapes-train-16px-n96-ref40-tiny.npz",
-                                           "shapes-train-16px-n96-tiny.npz"]
+                                            "shapes-train-16px-n96-tiny.npz"]
     split, _, _ = data.load_dataset("shapes", "unused", 16, 96)
     feats, _ = fid.features(ext, [fid.reference_subset(split, 40, "shapes train")], "cpu")
     np.testing.assert_allclose(ref["mu"], feats.double().mean(0).numpy(), rtol=1e-6)
@@ -168,25 +168,28 @@ def test_training_logs_fid_and_bpd(tmp_path, monkeypatch):
         assert r["fid"] > 0 and 0 < r["bpd"] < 100 and r["bpd_images"] == 6 and r["fid_samples"] == 12
         assert r["kimg"] == r["step"] * 16 / 1e3 and r["wall_s"] > 0
     assert (tmp_path / "run" / "fid.png").exists()  # FID against kimg and hours
-    # post-hoc EMA is on by default: at the end, the FID of each of ema_eval_widths, rebuilt, and the best
-    (sweep,) = read_metrics(tmp_path / "run", "best_ema_sigma_rel")
-    widths = [f"fid_ema_{w}" for w in tc.ema_eval_widths]
-    assert sweep["step"] == 4 and all(sweep[k] > 0 for k in widths)
-    assert sweep["fid_ema_" + str(sweep["best_ema_sigma_rel"])] == min(sweep[k] for k in widths)
+    # post-hoc EMA is on by default: at the end, each of ema_eval_sigma_rels rebuilt into a weights file,
+    # its FID, and the best
+    (sweep,) = read_metrics(tmp_path / "run", "best_sigma_rel")
+    keys = [f"fid_sigma_rel_{phema.sigma_rel_name(s)}" for s in tc.ema_eval_sigma_rels]
+    assert sweep["step"] == 4 and all(sweep[k] > 0 for k in keys)
+    best = sweep["fid_sigma_rel_" + phema.sigma_rel_name(sweep["best_sigma_rel"])]
+    assert best == min(sweep[k] for k in keys)
+    assert all(os.path.exists(phema.weights_path(tmp_path / "run", s)) for s in tc.ema_eval_sigma_rels)
     # the cached reference statistics
     assert os.listdir(tmp_path / "stats") == ["shapes-train-16px-n512-ref300-tiny.npz"]  # 300 of the 512
 
 
-def test_no_ema_eval_widths_means_no_sweep_at_the_end(tmp_path, monkeypatch):
-    """Snapshots kept for sample.py --ema_length later (the lever study's runs), no sweep at the end."""
+def test_no_ema_eval_sigma_rels_means_no_sweep_at_the_end(tmp_path, monkeypatch):
+    """Snapshots kept for `python -m machinery.phema` later (the lever study's runs), no sweep at the end."""
     monkeypatch.setattr(fid, "inception", lambda device, weights=None: TinyFeatures())
     tc = tiny_trainer(tmp_path / "run", max_steps=2, eval_every_steps=2, eval_fid_samples=12,
-                      eval_sample_steps=2, fid_ref_images=300, eval_bpd_images=0, ema_eval_widths=(),
+                      eval_sample_steps=2, fid_ref_images=300, eval_bpd_images=0, ema_eval_sigma_rels=(),
                       fid_stats_dir=str(tmp_path / "stats"))
     assert tc.ema_snapshot_kimg
     train(tiny_model(), tc, preset="test")
     assert [r["step"] for r in read_metrics(tmp_path / "run", "fid")] == [2]
-    assert not read_metrics(tmp_path / "run", "best_ema_sigma_rel") and os.listdir(tmp_path / "run" / "phema")
+    assert not read_metrics(tmp_path / "run", "best_sigma_rel") and os.listdir(tmp_path / "run" / "phema")
 
 
 def test_training_eval_fails_before_training_when_offline(tmp_path, monkeypatch):

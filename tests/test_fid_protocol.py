@@ -19,19 +19,18 @@ from PIL import Image
 from test_fid import TinyFeatures
 from test_survive import free_port
 
-import fid
-import sampling
-import files
-import shards
 import ddpm
 import evaluate
 import sample
+import sampling
+from machinery import fid, files, shards
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # two processes on two cores; the one-process runs alike
 # sample.py in a subprocess, with the small feature extractor of test_fid in place of InceptionV3
 LAUNCHER = f"""import sys
 sys.path[:0] = [{ROOT!r}, {os.path.join(ROOT, 'tests')!r}]
-import fid, sample
+import sample
+from machinery import fid
 from test_fid import TinyFeatures
 fid.inception = lambda device, weights=None: TinyFeatures()
 sample.main(sys.argv[1:])

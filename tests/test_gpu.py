@@ -9,7 +9,7 @@ from conftest import tiny_model, tiny_trainer
 import ddpm
 from data import Loader, ResidentLoader, shapes
 from ddpm import train
-from mfu import StepTimer
+from machinery.mfu import StepTimer
 from unet import UNet
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -51,8 +51,8 @@ def test_cuda_event_timer():
 
 def test_ffcv_loader_on_the_gpu(tmp_path):
     pytest.importorskip("ffcv")
-    from beton import write_beton
     from data import FFCVLoader, shapes
+    from machinery.beton import write_beton
 
     images, labels, _ = shapes(64, 16)
     write_beton(images, labels, str(tmp_path / "s.beton"))

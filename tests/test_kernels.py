@@ -11,14 +11,14 @@ import torch
 import torch.nn.functional as F
 from conftest import ROOT, tiny_model
 
-import kernels
 import unet
+from machinery import kernels
 from unet import UNet
 
 # TRITON_INTERPRET=1 must be set before triton is imported: each check runs in a process of its own
 COMPARE = """
 import torch, torch.nn.functional as F
-import kernels
+from machinery import kernels
 
 def compare(shape, groups, dtype, channels_last, tile=None):
     kernels.TILE = kernels.TILE_BWD = tile or kernels.TILE  # a small tile: several tiles per group

@@ -113,7 +113,7 @@ def test_the_cpu_recipe_is_the_study_base_with_its_winning_lever():
     assert mc == study_mc
     changed = {k for k, v in dataclasses.asdict(tc).items() if getattr(study_tc, k) != v}
     assert changed == {"dataset", "max_steps", "eval_every_steps", "eval_fid_samples", "ema_snapshot_kimg",
-                       "ema_eval_widths", "ckpt_every_steps", "sampler", "sample_steps"}
+                       "ema_eval_sigma_rels", "ckpt_every_steps", "sampler", "sample_steps"}
     assert tc.dataset == "cifar10" and tc.eval_fid_samples == 5000 and tc.fid_ref_images == 10_000
     assert tc.max_steps * tc.batch_size == 400_000
     assert 3 * tc.eval_every_steps < tc.max_steps < 4 * tc.eval_every_steps  # 4 points, the last at the end

@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-import phema
-from errors import UserError
+from machinery import phema
+from machinery.errors import UserError
 
 
-def test_the_widths_of_the_paper():
-    """EDM2 §3.1: σ_rel 0.05 and 0.10 are the exponents γ = 16.97 and 6.94; the width formula inverts."""
+def test_the_sigma_rels_of_the_paper():
+    """EDM2 §3.1: σ_rel 0.05 and 0.10 are the exponents γ = 16.97 and 6.94; σ_rel's formula inverts."""
     assert phema.gamma_of(0.05) == pytest.approx(16.97, abs=0.01)
     assert phema.gamma_of(0.10) == pytest.approx(6.94, abs=0.01)
     for s in (0.01, 0.08, 0.2, 0.28):
@@ -50,7 +50,7 @@ def test_a_skipped_step_leaves_the_averages_alone():
 
 
 @pytest.mark.parametrize("ta,ga,tb,gb", [(1.0, 6.94, 1.0, 16.97), (0.4, 3.0, 1.0, 16.97),
-                                        (1.0, 0.5, 0.7, 2.0)])
+                                         (1.0, 0.5, 0.7, 2.0)])
 def test_the_inner_product_is_the_integral(ta, ga, tb, gb):
     def p(t, g, tau):
         return np.where(tau <= t, (g + 1) * tau ** g / t ** (g + 1), 0.0)
@@ -82,25 +82,25 @@ def track(tmp_path, sigma_rels, steps=400, every=40):
     return model, tracked
 
 
-def test_a_tracked_width_rebuilds_as_itself(tmp_path):
+def test_a_tracked_sigma_rel_rebuilds_as_itself(tmp_path):
     model, tracked = track(tmp_path, (0.05, 0.10))
     for sigma_rel, (average,) in zip((0.05, 0.10), tracked.averages):
-        state, used = phema.rebuild(str(tmp_path), model, sigma_rel)
+        state, used = phema.rebuild(str(tmp_path), phema.shapes_of(model), sigma_rel)
         torch.testing.assert_close(state["weight"], average.half().float(), rtol=0, atol=2e-3)
         own = [u["coefficient"] for u in used if u["step"] == 400 and u["sigma_rel"] == sigma_rel]
         assert own == [pytest.approx(1, abs=1e-6)] and sum(u["coefficient"] for u in used) == pytest.approx(1)
         assert len(used) == 20 and {u["nimg"] for u in used} == {40 * 8 * k for k in range(1, 11)}
 
 
-def test_a_width_between_rebuilds_closer_than_either_input(tmp_path):
+def test_a_sigma_rel_between_rebuilds_closer_than_either_input(tmp_path):
     model, tracked = track(tmp_path, (0.05, 0.10))
     _, direct = track(tmp_path / "direct", (0.075,))
     truth = direct.averages[0][0]
-    state, _ = phema.rebuild(str(tmp_path), model, 0.075)
+    state, _ = phema.rebuild(str(tmp_path), phema.shapes_of(model), 0.075)
     err = (state["weight"] - truth).norm()
     inputs = [(average - truth).norm() for (average,) in tracked.averages]
     assert err < 0.25 * min(inputs), (err, inputs)
-    earlier, _ = phema.rebuild(str(tmp_path), model, 0.075, step=200)  # the EMA as it was half-way
+    earlier, _ = phema.rebuild(str(tmp_path), phema.shapes_of(model), 0.075, step=200)  # the EMA half-way
     assert (earlier["weight"] - truth).norm() > 2 * err
 
 
@@ -110,31 +110,33 @@ def test_bad_snapshots_are_one_line(tmp_path):
     first = folder / "phema-000000040-0.0500.pt"
     first.write_bytes(first.read_bytes()[:100])  # truncated
     with pytest.raises(UserError, match="cannot read post-hoc EMA snapshot .*phema-000000040"):
-        phema.rebuild(str(tmp_path), model, 0.05)
+        phema.rebuild(str(tmp_path), phema.shapes_of(model), 0.05)
     os.remove(first)
     os.symlink(folder / "phema-000000080-0.0500.pt", first)  # a planted link is not read through
     with pytest.raises(UserError, match="cannot read post-hoc EMA snapshot"):
-        phema.rebuild(str(tmp_path), model, 0.05)
+        phema.rebuild(str(tmp_path), phema.shapes_of(model), 0.05)
     os.remove(first)
     with pytest.raises(UserError, match="not a snapshot of this model"):
-        phema.rebuild(str(tmp_path), torch.nn.Linear(3, 1, bias=False), 0.05)
+        phema.rebuild(str(tmp_path), phema.shapes_of(torch.nn.Linear(3, 1, bias=False)), 0.05)
     elsewhere = tmp_path / "elsewhere"
     os.rename(folder, elsewhere)
     os.symlink(elsewhere, folder)
     with pytest.raises(UserError, match="not a folder of snapshots"):
-        phema.rebuild(str(tmp_path), model, 0.05)
+        phema.rebuild(str(tmp_path), phema.shapes_of(model), 0.05)
     with pytest.raises(UserError, match="has no post-hoc EMA snapshots"):
-        phema.rebuild(str(tmp_path / "none"), model, 0.05)
+        phema.rebuild(str(tmp_path / "none"), phema.shapes_of(model), 0.05)
 
 
 # ---- in training and in sample.py
 
 
-def test_training_snapshots_resume_bitwise_and_sample_py_rebuilds_a_width(tmp_path, capsys, monkeypatch):
-    """A run tracks the widths, snapshots every kimg and at the end; stopped half-way and resumed, it ends
-    with the same tracked EMAs and snapshots, bit for bit; sample.py --ema_length samples a rebuilt width
-    and records every snapshot used, and a sweep writes its table."""
-    from conftest import tiny_model, tiny_trainer
+def test_training_snapshots_resume_bitwise_and_a_rebuilt_sigma_rel_is_a_weights_file(
+        tmp_path, capsys, monkeypatch):
+    """A run tracks its σ_rel values, snapshots every kimg and at the end; stopped half-way and resumed, it
+    ends with the same tracked EMAs and snapshots, bit for bit; `python -m machinery.phema` writes the EMA of
+    any σ_rel as a weights file in ema.pt's format, the parameters those rebuild() gives and the buffers
+    ema.pt's, which sample.py samples like ema.pt and records with every snapshot used."""
+    from conftest import one_line_error, tiny_model, tiny_trainer
 
     import ddpm
     import sample
@@ -142,7 +144,7 @@ def test_training_snapshots_resume_bitwise_and_sample_py_rebuilds_a_width(tmp_pa
     mc = tiny_model()
     kw = dict(batch_size=16, ema_snapshot_kimg=1, ema_sigma_rels=(0.05, 0.10))  # a snapshot every 63 steps
     straight = ddpm.train(mc, tiny_trainer(tmp_path / "a", max_steps=70, **kw), preset="test")
-    assert "post-hoc EMA: widths 0.05, 0.1 snapshotted every 1 kimg and at the end" in capsys.readouterr().out
+    assert "post-hoc EMA: σ_rel 0.05, 0.1 snapshotted every 1 kimg and at the end" in capsys.readouterr().out
     real = ddpm.iteration
 
     def crash_at_40(b, x0, y, tc, step, shard=(0, 1)):
@@ -169,15 +171,21 @@ def test_training_snapshots_resume_bitwise_and_sample_py_rebuilds_a_width(tmp_pa
 
     argv = ["--ckpt", str(straight), "--n", "4", "--batch", "4", "--sampler", "ddim", "--steps", "2",
             "--device", "cpu", "--guidance", "1"]
-    result = sample.main([*argv, "--ema_length", "0.08", "--out", str(tmp_path / "s" / "g.png")])
+    paths = phema.main(["--run", str(straight), "--sigma_rel", "0.08,0.05"])
+    assert paths == [os.path.join(straight, f"ema-sigma_rel{v}.pt") for v in ("0.0800", "0.0500")]
+    written, ema = (torch.load(p, weights_only=True) for p in (paths[0], os.path.join(straight, "ema.pt")))
+    state, _ = phema.rebuild(str(straight), phema.shapes_of(ddpm.UNet(mc)), 0.08, step=70)
+    assert {k for k in written} == {*ema, "post_hoc_ema"} and written["ema"].keys() == ema["ema"].keys()
+    assert all(torch.equal(written["ema"][k], state[k].to(v.dtype) if k in state else v)
+               for k, v in ema["ema"].items())
+    assert any(not torch.equal(written["ema"][k], ema["ema"][k]) for k in state)
+    result = sample.main([*argv[:1], paths[0], *argv[2:], "--out", str(tmp_path / "s" / "g.png")])
     record = result["checkpoint"]["post_hoc_ema"]
-    assert result["checkpoint"]["weights"] == "post-hoc EMA (phema.py)" and record["sigma_rel"] == 0.08
+    assert result["checkpoint"]["weights"] == "post-hoc EMA (machinery/phema.py)"
+    assert record["sigma_rel"] == 0.08
     assert record["step"] == 70 and len(record["snapshots"]) == 4
     assert sum(s["coefficient"] for s in record["snapshots"]) == pytest.approx(1)
-    table = sample.main([*argv, "--ema_length", "0.05,0.08", "--out", str(tmp_path / "s" / "sweep.png")])
-    assert [row["sigma_rel"] for row in table["post_hoc_ema_sweep"]] == [0.05, 0.08]
-    assert os.path.exists(tmp_path / "s" / "sweep-ema0.0800.npz")
-    assert os.path.exists(tmp_path / "s" / "sweep.json")
+    assert "--sigma_rel" in one_line_error(capsys, phema.main, ["--run", str(straight), "--sigma_rel", "0.5"])
 
 
 def test_resuming_a_run_without_post_hoc_ema_state_is_one_line(tmp_path):

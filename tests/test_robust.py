@@ -13,19 +13,15 @@ import pytest
 import torch
 from conftest import ROOT, TINY_ARGS, nan_after, one_line_error, read_metrics, tiny_model, tiny_trainer
 
-import beton
-import fid
-import checkpoints
-import group
 import benchmark
 import data
-import files
+import evaluate
 import ddpm
 import sample
-import runs
-from unet import UNet
 from ddpm import ModelConfig, TrainerConfig, parse_args, train
-from errors import UserError
+from machinery import beton, checkpoints, files, group, runs
+from machinery.errors import UserError
+from unet import UNet
 
 
 # ---- every numeric field is range-checked, NaN and inf included
@@ -173,9 +169,9 @@ def ema_pt(tmp_path_factory):
 
 
 @pytest.mark.parametrize("extra,needle", [
-    (["--guidance", "nan"], "--guidance nan"), (["--eta", "-1"], "--eta"), (["--percentile", "2"],
-                                                                            "--percentile"),
-    (["--seed", "-1"], "--seed"), (["--out", "{d}/grid"], "image extension"),
+    (["--guidance", "nan"], "guidance=nan: must be in [0, 100]"), (["--eta", "-1"], "eta=-1.0: must be"),
+    (["--percentile", "2"], "percentile=2.0: must be in [1e-06, 1]"), (["--seed", "-1"], "seed=-1: must be"),
+    (["--out", "{d}/grid"], "image extension"),
     (["--out", "{d}/file/grid.png"], "cannot make the folder"),
 ])
 def test_sample_cli_refuses_before_sampling(tmp_path, capsys, ema_pt, extra, needle):
@@ -300,11 +296,15 @@ def test_a_damaged_fid_statistics_cache_is_computed_again(tmp_path, capsys):
     path = tmp_path / (data.beton_name("shapes", "", 16, 64, True).replace(".beton", "-tiny.npz"))
     np.savez(path, **ref)
     extractor = TinyFeatures()
-    assert fid.reference_stats(extractor, "shapes", "", 16, 64, "cpu", cache_dir=str(tmp_path))["n"] == 64
+
+    def stats():
+        return evaluate.reference_stats(extractor, "shapes", "", 16, 64, "cpu", cache_dir=str(tmp_path))
+
+    assert stats()["n"] == 64
     assert extractor.calls > 0 and "computed again" in capsys.readouterr().out
     path.write_bytes(path.read_bytes()[:100])
-    assert fid.reference_stats(extractor, "shapes", "", 16, 64, "cpu", cache_dir=str(tmp_path))["n"] == 64
+    assert stats()["n"] == 64
     assert "computed again" in capsys.readouterr().out
     calls = extractor.calls
-    fid.reference_stats(extractor, "shapes", "", 16, 64, "cpu", cache_dir=str(tmp_path))
+    evaluate.reference_stats(extractor, "shapes", "", 16, 64, "cpu", cache_dir=str(tmp_path))
     assert extractor.calls == calls  # the rewritten cache is read

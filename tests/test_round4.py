@@ -12,16 +12,12 @@ import numpy as np
 import pytest
 from conftest import ROOT, one_line_error
 
-import beton
 import data
 import ddpm
 import evaluate
-import fid
-import files
-import runs
 import sample
-import shards
-from errors import UserError
+from machinery import beton, fid, files, runs, shards
+from machinery.errors import UserError
 
 needs_ffcv = pytest.mark.skipif(not beton.ffcv_available(), reason="ffcv is not installed")
 
@@ -119,10 +115,11 @@ def test_a_network_too_big_for_memory_is_refused_with_the_estimate(capsys, tmp_p
 
 
 @pytest.mark.parametrize("extra,needle", [
-    (["--n", "1000000000"], "--n 1000000000 is out of range"),
-    (["--n", "4611686018427387904", "--shard_size", "1"], "is out of range"),
+    (["--n", "1000000000"], "n=1000000000: must be in [1, 100000000]"),
+    (["--n", "4611686018427387904", "--shard_size", "1"], "must be in [1, 100000000]"),
     (["--n", "200000", "--shard_size", "1"], "more than 100000: choose --shard_size 2 or more"),
-    (["--n", "10", "--label", "-5"], "--label -5 is out of range: [-1, 3]"),
+    (["--n", "10", "--label", "-5"], "label=-5: must be in [-1, 2147483648)"),
+    (["--n", "10", "--label", "4"], "--label 4 is out of range: [-1, 3]"),
 ])
 def test_sample_sizes_are_bounded_before_drawing(run_dir, tmp_path, capsys, extra, needle):
     err = one_line_error(capsys, sample.main, common(run_dir, tmp_path / "g.png", *extra))
@@ -200,8 +197,8 @@ def test_a_shard_whose_content_changed_is_drawn_again(run_dir, tmp_path, capsys,
     assert np.array_equal(np.load(tmp_path / "g.npz")["arr_0"], np.load(tmp_path / "s.npz")["arr_0"])
 
 
-def test_a_stop_between_the_checksum_and_the_rename_leaves_no_shard_without_one(run_dir, tmp_path, capsys,
-                                                                               monkeypatch):
+def test_a_stop_between_the_checksum_and_the_rename_leaves_no_shard_without_one(
+        run_dir, tmp_path, capsys, monkeypatch):
     """A SIGTERM just after a shard's checksum is in the manifest: the shard is dropped whole, and the same
     command draws it again without a warning (a shard on disk never lacks its checksum)."""
     argv = common(run_dir, tmp_path / "g.png", "--n", "6", "--batch", "2", "--shard_size", "2")
@@ -265,12 +262,13 @@ def test_png_dir_in_outs_own_folder_is_refused(run_dir, tmp_path, capsys):
 
 
 def test_a_pipeline_without_its_scheduler_is_refused(tmp_path, capsys):
-    import diffusers_io
+    import unet
     from conftest import tiny_model
+    from machinery import diffusers_io
     from unet import UNet
 
     mc = tiny_model(base_channels=64)  # 32 groups in every GroupNorm, as diffusers' norm_num_groups needs
-    diffusers_io.export(str(tmp_path / "unet"), UNet(mc), mc)
+    diffusers_io.export(str(tmp_path / "unet"), UNet(mc), mc, unet)
     pipe = tmp_path / "pipe"
     pipe.mkdir()
     shutil.move(str(tmp_path / "unet"), pipe / "unet")

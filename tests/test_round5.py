@@ -15,10 +15,8 @@ from conftest import ROOT, one_line_error
 
 import data
 import evaluate
-import fid
-import files
-import runs
-from errors import UserError
+from machinery import fid, files, runs
+from machinery.errors import UserError
 from test_fid import TinyFeatures
 
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
@@ -87,8 +85,8 @@ def test_wandbs_id_is_never_read_through_a_link_and_its_files_go_to_a_fresh_fold
 def cache_of(tmp_path, n=64):
     """The statistics of shapes' train split (n images, 16 px) with TinyFeatures, cached in tmp_path/S.
     -> (their path, the statistics, the settings recorded with them)."""
-    ref = fid.reference_stats(TinyFeatures(), "shapes", "", 16, n, "cpu", str(tmp_path / "S"))
-    path = fid.reference_path(TinyFeatures(), "shapes", "", 16, n, str(tmp_path / "S"))
+    ref = evaluate.reference_stats(TinyFeatures(), "shapes", "", 16, n, "cpu", str(tmp_path / "S"))
+    path = evaluate.reference_path(TinyFeatures(), "shapes", "", 16, n, str(tmp_path / "S"))
     with np.load(path) as z:
         settings = json.loads(str(z["meta"][()]))["settings"]
     return path, ref, settings
@@ -103,7 +101,7 @@ def test_a_link_planted_at_a_splits_cache_name_is_replaced_never_read(tmp_path, 
     os.symlink(other_path, path)
     before = open(other_path, "rb").read()
     extractor = TinyFeatures()
-    again = fid.reference_stats(extractor, "shapes", "", 16, 64, "cpu", str(tmp_path / "S"))
+    again = evaluate.reference_stats(extractor, "shapes", "", 16, 64, "cpu", str(tmp_path / "S"))
     assert extractor.calls > 0 and "computed again" in capsys.readouterr().out
     np.testing.assert_array_equal(again["mu"], ref["mu"])
     assert not np.array_equal(again["mu"], other["mu"]) and int(again["n"]) == 64
@@ -133,7 +131,7 @@ def test_cached_statistics_are_checked_and_computed_again_on_any_mismatch(tmp_pa
         fid.write_stats(path, damage(ref), str(tmp_path / "S"), settings)
     extractor = TinyFeatures()
     extractor.features_list = ["16"]  # as torch-fidelity's InceptionV3 says its width ("2048")
-    again = fid.reference_stats(extractor, "shapes", "", 16, 64, "cpu", str(tmp_path / "S"))
+    again = evaluate.reference_stats(extractor, "shapes", "", 16, 64, "cpu", str(tmp_path / "S"))
     out = capsys.readouterr().out
     assert why in out and "computed again" in out and extractor.calls > 0
     np.testing.assert_array_equal(again["mu"], ref["mu"])
@@ -272,8 +270,8 @@ def vs_args(tmp_path, *extra):
 @pytest.mark.parametrize("extra,needle", [(["--fid_samples", "1"], "--fid_samples in [2, 1e6]"),
                                           (["--sample_steps", "-1"], "--sample_steps -1 must lie in [1, "),
                                           (["--sample_steps", "0"], "--sample_steps 0 must lie in [1, ")])
-def test_vs_diffusers_settings_fid_cannot_score_are_refused_before_training(tmp_path, capsys, monkeypatch,
-                                                                           extra, needle):
+def test_vs_diffusers_settings_fid_cannot_score_are_refused_before_training(
+        tmp_path, capsys, monkeypatch, extra, needle):
     import subprocess
 
     import vs_diffusers_train as vs
@@ -347,9 +345,9 @@ def test_what_a_run_needs_is_checked_before_its_folder_is_made(tmp_path, monkeyp
 
 
 def test_the_world_size_note_on_resume_is_printed_by_rank_0_alone(run_dir, capsys, monkeypatch):
-    import checkpoints
     import ddpm
     from conftest import tiny_model, tiny_trainer
+    from machinery import checkpoints
 
     mc, tc = tiny_model(num_classes=4), tiny_trainer(run_dir, max_steps=3)
     loader = type("Loader", (), {"batch_size": 4, "load_state_dict": lambda self, state: None})()
@@ -362,13 +360,13 @@ def test_the_world_size_note_on_resume_is_printed_by_rank_0_alone(run_dir, capsy
         assert ("note: resuming 1-process training with 2" in capsys.readouterr().out) == printed
 
 
-# ---- 2, 3, 5. post-hoc EMA: snapshots carry their run, step, widths and checksum; names are unique
+# ---- 2, 3, 5. post-hoc EMA: snapshots carry their run, step, σ_rel and checksum; names are unique
 
 
 def tracked_run(folder, sigma_rels=(0.05, 0.10), steps=80, every=40, ckpt_step=None):
     """A parameter walk tracked for `steps`, snapshotted every `every` steps into folder/phema, with an
     ema.pt naming the step `ckpt_step` (default: the last) and the run. -> (model, tracked)."""
-    import phema
+    from machinery import phema
 
     model = torch.nn.Linear(8, 1, bias=False)
     tracked = phema.Tracked(model, sigma_rels)
@@ -386,12 +384,12 @@ def test_a_rebuild_is_at_the_checkpoints_step_and_leaves_later_snapshots_out(tmp
     """kill -9 after a snapshot the checkpoint has not reached, resumed to an earlier end: the rebuilt EMA is
     of ema.pt's step, from the snapshots up to it; no snapshot at that step (a run resumed without
     snapshots) is one line."""
-    import phema
+    from machinery import phema
 
     model, _ = tracked_run(tmp_path, steps=120, ckpt_step=80)
     record = phema.load_rebuilt(model, str(tmp_path), 0.07)
     assert record["step"] == 80 and {s["step"] for s in record["snapshots"]} == {40, 80}
-    assert "2 post-hoc EMA snapshots in" in capsys.readouterr().out  # step 120's, of both widths
+    assert "2 post-hoc EMA snapshots in" in capsys.readouterr().out  # step 120's, of both σ_rel values
     torch.save({"step": 100, "phema_run": None}, tmp_path / "ema.pt")  # went on with snapshots off
     with pytest.raises(UserError, match="no post-hoc EMA snapshot at step 100, the checkpoint's"):
         phema.load_rebuilt(model, str(tmp_path), 0.07)
@@ -400,21 +398,21 @@ def test_a_rebuild_is_at_the_checkpoints_step_and_leaves_later_snapshots_out(tmp
 def test_another_runs_snapshot_is_refused(tmp_path):
     import shutil
 
-    import phema
+    from machinery import phema
 
     model, _ = tracked_run(tmp_path / "mine")
-    tracked_run(tmp_path / "other")  # the same steps and widths, another run
+    tracked_run(tmp_path / "other")  # the same steps and σ_rel values, another run
     shutil.copy(tmp_path / "other" / "phema" / "phema-000000040-0.0500.pt", tmp_path / "mine" / "phema")
     with pytest.raises(UserError, match="phema-000000040-0.0500.pt is a snapshot of another run"):
         phema.load_rebuilt(model, str(tmp_path / "mine"), 0.07)
 
 
-def test_a_missing_width_is_an_error_not_a_substitution(tmp_path):
-    import phema
+def test_a_missing_sigma_rel_is_an_error_not_a_substitution(tmp_path):
+    from machinery import phema
 
     model, _ = tracked_run(tmp_path)
     os.remove(tmp_path / "phema" / "phema-000000040-0.0500.pt")
-    with pytest.raises(UserError, match=r"step 40 are of widths \[0.1\], the run tracked \[0.05, 0.1\]"):
+    with pytest.raises(UserError, match=r"step 40 are of σ_rel \[0.1\], the run tracked \[0.05, 0.1\]"):
         phema.load_rebuilt(model, str(tmp_path), 0.05)
 
 
@@ -424,7 +422,7 @@ def test_a_missing_width_is_an_error_not_a_substitution(tmp_path):
 def test_a_damaged_snapshot_is_one_line(tmp_path, capsys, damage, needle):
     import argparse
 
-    import phema
+    from machinery import phema
 
     model, _ = tracked_run(tmp_path)
     path = tmp_path / "phema" / "phema-000000040-0.1000.pt"
@@ -446,43 +444,40 @@ def test_a_damaged_snapshot_is_one_line(tmp_path, capsys, damage, needle):
     assert "\n" not in str(e.value) and "weights_only=False" not in str(e.value)
 
 
-def test_widths_are_bounded_distinct_and_named_apart(tmp_path, run_dir, capsys):
-    import phema
-    import sample
+def test_sigma_rels_are_bounded_distinct_and_named_apart(tmp_path, run_dir, capsys):
+    from machinery import phema
 
-    assert phema.width_name(0.05) == "0.0500" and phema.width_name(0.05004) == "0.05004"
-    assert phema.width_name(4e-4) == "0.0004" and phema.width_name(1.5e-4) == "0.00015"
+    assert phema.sigma_rel_name(0.05) == "0.0500" and phema.sigma_rel_name(0.05004) == "0.05004"
+    assert phema.sigma_rel_name(4e-4) == "0.0004" and phema.sigma_rel_name(1.5e-4) == "0.00015"
     _, tracked = tracked_run(tmp_path, sigma_rels=(0.05, 0.05004), steps=40)
     names = sorted(os.listdir(tmp_path / "phema"))
     assert names == ["phema-000000040-0.0500.pt", "phema-000000040-0.05004.pt"]
     for bad in ((0.00004, 0.1), (1e-300,), (0.05, 0.05), (float("nan"),)):
-        with pytest.raises(UserError, match="ema_sigma_rels .*distinct relative widths, each in \\[0.0001"):
+        with pytest.raises(UserError, match="ema_sigma_rels .*distinct σ_rel values, each in \\[0.0001"):
             phema.Tracked(torch.nn.Linear(2, 1), bad)
-    with pytest.raises(UserError, match="ema_eval_widths 1e-300"):
-        phema.check_widths([1e-300], "ema_eval_widths", 0, 8)  # for ddpm.py's validate, before training
-    argv = ["--ckpt", str(run_dir), "--n", "2", "--steps", "2", "--device", "cpu", "--out",
-            str(tmp_path / "g.png")]
-    for width in ("1e-300", "1e-160", "0.05,0.05"):
-        assert "--ema_length" in one_line_error(capsys, sample.main, [*argv, "--ema_length", width])
-    table = sample.main([*argv, "--ema_length", "0.05,0.05004", "--png_dir", str(tmp_path / "png")])
-    assert [r["sigma_rel"] for r in table["post_hoc_ema_sweep"]] == [0.05, 0.05004]
-    for name in ("0.0500", "0.05004"):
-        assert (tmp_path / f"g-ema{name}.npz").exists() and (tmp_path / f"g-ema{name}.json").exists()
-        assert sorted(os.listdir(tmp_path / f"png-ema{name}")) == ["000000.png", "000001.png"]
+    with pytest.raises(UserError, match="ema_eval_sigma_rels 1e-300"):
+        phema.check_sigma_rels([1e-300], "ema_eval_sigma_rels", 0, 8)  # ddpm.py's validate, before training
+    for bad in ("1e-300", "1e-160", "0.05,0.05", "x"):
+        err = one_line_error(capsys, phema.main, ["--run", str(run_dir), "--sigma_rel", bad])
+        assert "--sigma_rel" in err
+    paths = phema.main(["--run", str(run_dir), "--sigma_rel", "0.05,0.05004"])
+    assert [os.path.basename(p) for p in paths] == ["ema-sigma_rel0.0500.pt", "ema-sigma_rel0.05004.pt"]
+    records = [torch.load(p, weights_only=True)["post_hoc_ema"] for p in paths]
+    assert [r["sigma_rel"] for r in records] == [0.05, 0.05004]
 
 
-def test_a_width_far_outside_the_tracked_ones_is_said_to_be_extrapolated(tmp_path, capsys):
-    import phema
+def test_a_sigma_rel_far_outside_the_tracked_ones_is_said_to_be_extrapolated(tmp_path, capsys):
+    from machinery import phema
 
     model, _ = tracked_run(tmp_path)
     phema.load_rebuilt(model, str(tmp_path), 0.075)
     assert "extrapolated" not in capsys.readouterr().out
     phema.load_rebuilt(model, str(tmp_path), 0.001)
-    assert "width 0.001 lies outside the tracked widths [0.05, 0.1]: extrapolated" in capsys.readouterr().out
+    assert "σ_rel 0.001 lies outside the tracked [0.05, 0.1]: extrapolated" in capsys.readouterr().out
 
 
 def test_a_snapshot_name_at_step_0_is_one_line(tmp_path):
-    import phema
+    from machinery import phema
 
     model, _ = tracked_run(tmp_path)
     (tmp_path / "phema" / "phema-000000000-0.0500.pt").write_bytes(b"")
@@ -493,6 +488,7 @@ def test_a_snapshot_name_at_step_0_is_one_line(tmp_path):
 def test_split_experts_are_each_rebuilt_from_their_own_snapshots(tmp_path):
     import sample
     from conftest import tiny_model, tiny_trainer
+    from machinery import phema
 
     from ddpm import train
 
@@ -502,8 +498,9 @@ def test_split_experts_are_each_rebuilt_from_their_own_snapshots(tmp_path):
     argv = ["--ckpt", str(tmp_path / "low" / "ema.pt"), "--ckpt_high", str(tmp_path / "high" / "ema.pt"),
             "--n", "2", "--steps", "2", "--out", str(tmp_path / "s.png")]
     plain = sample.main(argv)
-    rebuilt = sample.main([*argv, "--ema_length", "0.07"])
-    record = rebuilt["checkpoint"]["post_hoc_ema"]
-    assert record["step"] == record["high_expert"]["step"] == 2
-    assert record["run"] != record["high_expert"]["run"]
+    low, high = (phema.main(["--run", str(tmp_path / part), "--sigma_rel", "0.07"])[0]
+                 for part in ("low", "high"))
+    rebuilt = sample.main(["--ckpt", low, "--ckpt_high", high, *argv[4:]])
+    record, record_high = (rebuilt[k]["post_hoc_ema"] for k in ("checkpoint", "checkpoint_high"))
+    assert record["step"] == record_high["step"] == 2 and record["run"] != record_high["run"]
     assert rebuilt["checkpoint_high"]["sha256"] != plain["checkpoint_high"]["sha256"]

@@ -10,11 +10,10 @@ import torch
 from conftest import TINY_ARGS, one_line_error, read_metrics, tiny_model, tiny_trainer
 
 import ddpm
-import files
-import runs
 import sample
 from ddpm import train
-from errors import UserError
+from machinery import files, runs
+from machinery.errors import UserError
 
 OUTPUTS = ["ckpt.pt", "ema.pt", "ckpt.prev.pt", "config.json", "loss.png", "samples_0000002.png",
            "samples_0000004.png", "run.lock"]

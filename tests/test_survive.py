@@ -13,13 +13,12 @@ import pytest
 import torch
 from conftest import ROOT, TINY_ARGS, nan_after, one_line_error, read_metrics, tiny_model, tiny_trainer
 
-import beton
-import checkpoints
 import data
 import ddpm
-from unet import UNet
 from ddpm import train
-from errors import UserError
+from machinery import beton, checkpoints
+from machinery.errors import UserError
+from unet import UNet
 
 TINY = TINY_ARGS
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # two processes on two cores

@@ -9,8 +9,8 @@ import pytest
 from conftest import ROOT, TINY_ARGS, one_line_error, read_metrics, tiny_model, tiny_trainer
 
 import ddpm
-import runs
 from ddpm import train
+from machinery import runs
 
 
 def scalars(out):

@@ -8,7 +8,7 @@ from conftest import read_metrics, tiny_model, tiny_trainer
 
 import ddpm
 from ddpm import train
-from errors import UserError
+from machinery.errors import UserError
 from unet import UNet
 
 
@@ -75,7 +75,7 @@ def test_never_overwrites_a_checkpoint_and_checks_resume_config(tmp_path):
 
 
 def test_channels_last_auto_is_nhwc_except_where_atens_group_norm_makes_it_slower():
-    from runs import resolve_channels_last
+    from machinery.runs import resolve_channels_last
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert resolve_channels_last("auto", cpu, "fp32") and resolve_channels_last("auto", cuda, "bf16")
@@ -183,7 +183,7 @@ def test_a_run_against_the_clock_stops_at_its_budget_with_the_ema_of_each_minute
     against the clock cannot be resumed."""
     import itertools
 
-    import mfu
+    from machinery import mfu
 
     ticks = itertools.count()
     monkeypatch.setattr(ddpm.Budget, "clock", staticmethod(lambda: 7.0 * next(ticks)))
@@ -216,6 +216,6 @@ def test_the_clock_starts_with_the_process():
 
     from conftest import ROOT
 
-    code = "import time; time.sleep(1.5); import mfu; print(mfu.process_seconds())"
+    code = "import time; time.sleep(1.5); from machinery import mfu; print(mfu.process_seconds())"
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and float(done.stdout.split()[-1]) >= 1.5, done.stderr

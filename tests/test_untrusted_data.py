@@ -17,10 +17,10 @@ import pytest
 from conftest import ROOT, TINY_ARGS, one_line_error
 from PIL import Image
 
-import beton
 import data
 import ddpm
-from errors import UserError
+from machinery import beton
+from machinery.errors import UserError
 
 HANG_GUARD = 600  # seconds; never reached unless something blocks
 needs_ffcv = pytest.mark.skipif(not beton.ffcv_available(), reason="ffcv is not installed")
@@ -246,7 +246,7 @@ def test_links_planted_at_the_beton_and_its_json_are_replaced_not_followed(tmp_p
 def test_a_fifo_at_the_json_or_the_beton_is_one_line_not_a_hang(tmp_path):
     rc, out, err = run_python(
         "import os, data\n"
-        "from errors import UserError\n"
+        "from machinery.errors import UserError\n"
         f"betons = {str(tmp_path)!r}\n"
         "path, _ = data.beton_for('shapes', '', 8, betons, shapes_count=40)\n"
         "for victim in (path + '.json', path):\n"

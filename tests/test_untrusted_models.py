@@ -16,11 +16,10 @@ from conftest import one_line_error, tiny_model
 from safetensors.torch import load_file, save_file
 
 import ddpm
-import diffusers_io
-import files
 import sample
 import unet
-from errors import UserError
+from machinery import diffusers_io, files
+from machinery.errors import UserError
 from unet import UNet
 
 INDEX = diffusers_io.WEIGHTS + ".index.json"
@@ -35,7 +34,7 @@ def exported(tmp_path_factory):
     """One exported folder (config.json, the weights, scheduler_config.json) and the model it holds."""
     model = UNet(mc())
     path = tmp_path_factory.mktemp("export") / "hub"
-    diffusers_io.write(str(path), model, mc())
+    diffusers_io.write(str(path), model, mc(), unet)
     return path, model
 
 
@@ -367,7 +366,7 @@ def test_weights_in_every_floating_point_dtype_load(hub, exported, dtype):
     save_file({k: v.to(dtype) for k, v in state.items()}, str(hub / diffusers_io.WEIGHTS))
     model, _, _ = ddpm.load_ema(str(hub), "cpu")
     assert all(torch.equal(a, b.to(dtype).float()) for a, b in zip(model.state_dict().values(),
-                                                                    exported[1].state_dict().values()))
+                                                                   exported[1].state_dict().values()))
 
 
 @pytest.mark.filterwarnings("ignore:Validating sparse tensor invariants")

@@ -14,8 +14,8 @@ from conftest import ROOT, one_line_error
 from PIL import Image
 from test_fid import TinyFeatures
 
-import fid
 import sample
+from machinery import fid
 
 pytest.importorskip("diffusers")
 sys.path.insert(0, os.path.join(ROOT, "scripts"))

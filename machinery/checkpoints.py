@@ -10,9 +10,8 @@ from dataclasses import asdict
 
 import torch
 
-import files
-from errors import RUN_STOPPED, UserError, first_line
-
+from machinery import files
+from machinery.errors import RUN_STOPPED, UserError, first_line
 
 
 def previous_path(path):

@@ -15,9 +15,9 @@ import os
 import numpy as np
 import torch
 
-import files
-import group
-from errors import UserError, first_line
+from machinery import files, group
+from machinery.errors import UserError, first_line
+from machinery.progress import Progress
 
 STATS_DIR = "data/fid_stats"  # the default cache of reference statistics (a folder of its own)
 REFERENCE_KEEP = 10_000  # reference features kept for precision/recall (k-NN balls are O(n^2) in memory)
@@ -110,18 +110,16 @@ def stats_sha256(ref):
 
 @torch.no_grad()
 def features(extractor, batches, device, desc=None, total=None):
-    """-> (features (N, D), logits (N, K)), float32 on the CPU, of uint8 image batches. desc: a progress bar
-    of `total` images with the time left, on a terminal only (tqdm's disable=None)."""
-    from tqdm import tqdm
-
+    """-> (features (N, D), logits (N, K)), float32 on the CPU, of uint8 image batches. desc: progress of
+    `total` images (None: unknown) named so, with the time left (Progress: a bar on a terminal,
+    lines in a log); none without it."""
     feats, logits = [], []
-    bar = tqdm(total=total, desc=desc, unit="img", disable=None if desc else True, leave=False)
-    for x in batches:
-        bar.update(len(x))
-        f, lg = extractor(x.to(device))
-        feats.append(f.float().cpu())
-        logits.append(lg.float().cpu())
-    bar.close()
+    with Progress(desc, total) as bar:
+        for x in batches:
+            f, lg = extractor(x.to(device))
+            feats.append(f.float().cpu())
+            logits.append(lg.float().cpu())
+            bar.update(len(x))
     return torch.cat(feats), torch.cat(logits)
 
 
@@ -147,18 +145,6 @@ def frechet_distance(mu1, sigma1, mu2, sigma2):
     return fid_statistics_to_metric({"mu": np.asarray(mu1), "sigma": np.asarray(sigma1)},
                                     {"mu": np.asarray(mu2), "sigma": np.asarray(sigma2)}, verbose=False)[
         "frechet_inception_distance"]
-
-
-def reference_path(extractor, dataset, data_dir, image_size, shapes_count, cache_dir, train=True,
-                   ref_images=0):
-    """Where a split's statistics are cached: the name changes with the data (as a beton's does), with the
-    number of its images drawn (reference_subset) and with the network (its name, and its weights' hash
-    where it has one)."""
-    import data
-
-    name = data.beton_name(dataset, data_dir, image_size, shapes_count, train=train)
-    drawn = f"-ref{ref_images}" if ref_images else ""
-    return os.path.join(cache_dir, name.replace(".beton", drawn + extractor_suffix(extractor)))
 
 
 def reference_subset(images, n, what):
@@ -256,42 +242,6 @@ def cached_stats(path, settings, width, compute, cache_dir):
     if rank == 0:
         write_stats(path, ref, cache_dir, settings)
     return ref
-
-
-def reference_stats(extractor, dataset, data_dir, image_size, shapes_count, device, cache_dir, batch=250,
-                    train=True, ref_images=0):
-    """A split's (the training set's by default; ref_images of them, drawn by reference_subset, if > 0)
-    feature mean and covariance, plus up to REFERENCE_KEEP of its features (precision/recall). Computed once,
-    then read from cache_dir (reference_path) as long as they prove to be this split's (cached_stats): its
-    provenance (a folder's by the bytes of its images), the draw and the network."""
-    import data
-
-    path = reference_path(extractor, dataset, data_dir, image_size, shapes_count, cache_dir, train,
-                          ref_images)
-    listing = data.image_files(data_dir) if data.spec(dataset).reads == "folder" else None
-    origin = data.provenance(dataset, data_dir, image_size, shapes_count, train, listing)
-    content = listing.content_digest() if listing is not None else None
-    settings = stats_settings(extractor, data=origin, content=content, ref_images=ref_images,
-                              seed=REFERENCE_SEED)
-    split = "train" if train else "test"
-
-    def compute():
-        rank, world = group.rank_world()
-        try:
-            images, _, _ = data.load_dataset(dataset, data_dir, image_size, shapes_count, train, listing)
-        except UserError as e:
-            raise UserError(f"FID reference statistics: {e}") from None
-        images = reference_subset(images, ref_images, f"{dataset} {split}")
-        print(f"computing FID reference statistics of {dataset} {split} ({len(images)} images) into {path}",
-              flush=True)
-        mine = images[rank::world]
-        f, _ = features(extractor, (mine[i : i + batch] for i in range(0, len(mine), batch)), device,
-                        desc="FID reference statistics", total=len(mine))
-        mu, sigma = mean_cov(f)
-        kept = f[: REFERENCE_KEEP // world].float().numpy()  # this rank's share; rank 0's is what is cached
-        return {"mu": mu, "sigma": sigma, "features": kept, "n": np.array(len(images))}
-
-    return cached_stats(path, settings, feature_width(extractor), compute, cache_dir)
 
 
 def fid_metrics(gen_feats, gen_logits, ref, prc=True):

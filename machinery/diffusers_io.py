@@ -4,8 +4,8 @@ A model folder holds config.json (UNet2DModel's config) and diffusion_pytorch_mo
 of older exports, or safetensors shards with an index); beside it may lie scheduler_config.json. A pipeline
 folder (model_index.json) holds them as unet/ and scheduler/.
 
-    fields, state, notes = read(path)   # ModelConfig fields, UNet2DModel-named tensors, what was assumed
-    write(path, model, mc)              # config.json, the safetensors weights, scheduler_config.json
+    fields, state, notes = read(path, unet)  # ModelConfig fields, UNet2DModel-named tensors, notes
+    write(path, model, mc, unet)             # config.json, the safetensors weights, scheduler_config.json
 
 A folder comes from strangers, so reading one trusts nothing in it. The JSON files are regular files of at
 most 16 MiB holding an object; every field of config.json and scheduler_config.json is type-checked and
@@ -17,8 +17,9 @@ into the blobs/ of the Hugging Face cache repository the folder is a snapshot of
 links lead); every tensor is float16, bfloat16, float32 or float64. Writing creates each file fresh and
 renames it into place (files.created): a link planted in the folder is replaced, never followed.
 
-The network's side of the format (tensor names, config.json's fields) is in unet.py; this file adds the files
-and the noise schedule (scheduler_config.json). Errors are ValueError with one line naming the file (relative
+The network's side of the format (tensor names, config.json's fields) is in unet.py, which the caller hands
+in (`network`: this package never imports the method); this file adds the files and the noise schedule
+(scheduler_config.json). Errors are ValueError with one line naming the file (relative
 to the folder given: the caller names that) and the field.
 """
 import json
@@ -29,9 +30,8 @@ import types
 
 import torch
 
-import files
-import unet
-from errors import UserError, first_line
+from machinery import files
+from machinery.errors import UserError, first_line
 
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 INDEX = WEIGHTS + ".index.json"  # the shards' index: {"weight_map": {tensor name: shard file name}}
@@ -44,7 +44,7 @@ FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # the we
 # before anything is built or allocated. Kinds: integer (not a bool), number (an integer or a finite float),
 # boolean, string (at most MAX_TEXT characters); integers and strings are lists of 1..MAX_LEVELS of them (one
 # per level of the network); size is an integer or a list [height, width] of them. A field left out takes
-# diffusers' default (unet.DIFFUSERS_DEFAULTS, SCHEDULER_DEFAULTS), which must pass the same check.
+# diffusers' default (the network's DIFFUSERS_DEFAULTS, SCHEDULER_DEFAULTS), which must pass the same check.
 MAX_LEVELS, MAX_TEXT = 16, 100
 WIDTH = "[2, 16384]"  # a level's channels (2: our GroupNorms' least); a 16384-wide 3x3 conv: 2.4G numbers
 LIMITS = {
@@ -132,10 +132,9 @@ def described(kind, interval, nullable):
     return what + (" or null" if nullable else "")
 
 
-def checked(config, file, name):
-    """`config` (the JSON object of `file`, a key of LIMITS) with diffusers' defaults filled in, every field
+def checked(config, file, name, defaults=SCHEDULER_DEFAULTS):
+    """`config` (the JSON object of `file`, a key of LIMITS) with diffusers' `defaults` filled in, every field
     LIMITS lists type-checked and bounded: else ValueError `name: field=value: must be ...`."""
-    defaults = unet.DIFFUSERS_DEFAULTS if file == "config.json" else SCHEDULER_DEFAULTS
     config = {**defaults, **config}
     for field, (kind, interval, nullable) in LIMITS[file].items():
         value = config.get(field)
@@ -299,20 +298,27 @@ def scheduler_config(mc):
             "clip_sample": True, "clip_sample_range": 1.0}
 
 
-def skeleton(fields):
+def skeleton(network, fields):
     """The UNet `fields` describe, on the meta device: its layout and size without its memory."""
     with torch.device("meta"):
-        return unet.UNet(types.SimpleNamespace(**fields))
+        return network.UNet(types.SimpleNamespace(**fields))
 
 
-def read(path):
-    """-> (ModelConfig fields, UNet2DModel-named tensors, notes on what was assumed)."""
-    model_dir, sched_path = locate(path)
+def model_config(network, model_dir, path):
+    """config.json of the model folder, diffusers' defaults filled in and every field checked."""
     name = os.path.relpath(os.path.join(model_dir, "config.json"), path)
-    config = checked(read_json(os.path.join(model_dir, "config.json"), name), "config.json", name)
-    fields = unet.model_fields_from_diffusers(config)
-    shape = skeleton(fields)
-    unet.check_diffusers_config(shape, config)
+    return checked(read_json(os.path.join(model_dir, "config.json"), name), "config.json", name,
+                   network.DIFFUSERS_DEFAULTS)
+
+
+def read(path, network):
+    """-> (ModelConfig fields, UNet2DModel-named tensors, notes on what was assumed). `network` is the
+    network's side of the format (the unet module: its UNet, names and config fields)."""
+    model_dir, sched_path = locate(path)
+    config = model_config(network, model_dir, path)
+    fields = network.model_fields_from_diffusers(config)
+    shape = skeleton(network, fields)
+    network.check_diffusers_config(shape, config)
     notes = []
     if sched_path:
         sched_name = os.path.relpath(sched_path, path)
@@ -323,20 +329,18 @@ def read(path):
     state = read_weights(model_dir, path)
     # every tensor the network needs, shaped as it needs it, before the network is built: sizes inside their
     # bounds could still ask for terabytes together, and now ask for no more than the weights hold
-    unet.diffusers_parts(shape, state)
+    network.diffusers_parts(shape, state)
     return fields, state, notes
 
 
-def check(model, path):
+def check(model, path, network):
     """ValueError where the model built from read(path)'s fields computes another function than the
     folder's."""
     model_dir, _ = locate(path)
-    name = os.path.relpath(os.path.join(model_dir, "config.json"), path)
-    unet.check_diffusers_config(model, checked(read_json(os.path.join(model_dir, "config.json"), name),
-                                               "config.json", name))
+    network.check_diffusers_config(model, model_config(network, model_dir, path))
 
 
-def write(path, model, mc):
+def write(path, model, mc, network):
     """config.json, diffusion_pytorch_model.safetensors and scheduler_config.json in a new or empty folder,
     loadable by UNet2DModel.from_pretrained and DDPMScheduler.from_pretrained. Each file is created fresh and
     renamed into place (a link planted there is replaced, not followed), config.json last: a folder an error
@@ -345,7 +349,7 @@ def write(path, model, mc):
     from safetensors.torch import save
 
     # refuses a model diffusers cannot express, before anything is written
-    config = unet.diffusers_config(model)
+    config = network.diffusers_config(model)
     try:
         if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
             raise ValueError(f"{path} exists and is not an empty folder; choose a new one")
@@ -353,7 +357,7 @@ def write(path, model, mc):
     except OSError as e:
         raise ValueError(f"cannot write {path} ({e.strerror or e})") from None
     try:
-        weights = save(unet.diffusers_state_dict(model), metadata={"format": "pt"})
+        weights = save(network.diffusers_state_dict(model), metadata={"format": "pt"})
     except SafetensorError as e:
         raise ValueError(f"cannot write {os.path.join(path, WEIGHTS)} ({first_line(e)})") from None
     kept = f"the export is incomplete: remove {path} and export again"
@@ -364,10 +368,10 @@ def write(path, model, mc):
             json.dump(content, f, indent=2)
 
 
-def export(path, model, mc):
+def export(path, model, mc, network):
     """sample.py --export_diffusers: write(), its refusals as one UserError line. -> the folder."""
     try:
-        write(path, model, mc)
+        write(path, model, mc, network)
     except ValueError as e:
         raise UserError(f"--export_diffusers: {e}") from None
     print(f"wrote {path}: UNet2DModel.from_pretrained and DDPMScheduler.from_pretrained load it")

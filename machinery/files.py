@@ -25,7 +25,7 @@ import zipfile
 
 import numpy as np
 
-from errors import RUN_STOPPED, UserError
+from machinery.errors import RUN_STOPPED, UserError
 
 
 def os_error(e, path, kept=""):

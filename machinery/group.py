@@ -15,7 +15,7 @@ import signal
 import torch
 import torch.distributed as dist
 
-from errors import UserError, first_line
+from machinery.errors import UserError, first_line
 
 
 def resolve_device(name):

@@ -14,12 +14,11 @@ import threading
 import numpy as np
 import torch
 
-import files
-from errors import UserError
+from machinery import files
+from machinery.errors import UserError
 
 META_LIMIT = 2**20  # bytes: a beton's .json is a few hundred; a larger one is not ours
 PROVENANCE = ("dataset", "split", "image_size", "source")  # data.provenance()'s fields, in the order checked
-
 
 
 def ffcv_available():

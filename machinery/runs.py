@@ -20,11 +20,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-import checkpoints
-import files
-import group
-import mfu
-from errors import UserError, first_line
+from machinery import checkpoints, files, group, mfu
+from machinery.errors import UserError, first_line
 
 # -----------------------------------------------------------------------------
 # The device: which one, which precision and layout, and torchrun
@@ -83,13 +80,13 @@ def device_notes(device, precision, compile, say):
             "(BENCHMARKS.md); --compile=auto or false skips it")
 
 
-def check_fits(mc, tc, device, world, data_images):
+def check_fits(network, mc, tc, device, world, data_images):
     """Before anything is allocated: refuse in one line a run whose memory cannot fit, by a lower bound
     (mfu.training_bytes: the weights with their optimizer state and EMA, one micro-batch's activations, plus
     the `data_images` uint8 images the data set-up holds in host memory), with the estimate in the line."""
     precision = resolve_precision(tc.precision, device)
     micro = max(1, tc.batch_size // world // tc.grad_accum_steps)
-    params, step = mfu.training_bytes(mc, micro, precision, tc.activation_checkpointing)
+    params, step = mfu.training_bytes(network, mc, micro, precision, tc.activation_checkpointing)
     images = data_images * mc.channels * mc.image_size**2
     host, on_device = mfu.memory_bytes(torch.device("cpu")), mfu.memory_bytes(device)
     needs = [(step, on_device, f"the {device.type} step"), (images, host, "the images in host memory")]

@@ -99,8 +99,8 @@ def _silu_grad(x, dy, mean, rstd, w, b):
 
 @jit
 def _group_norm_silu_fwd_kernel(x, w, b, y, mean_out, rstd_out, C, HW, G, CG, eps,
-                sxb, sxc, sxs, syb, syc, sys,
-                GPB: constexpr, BLOCK_C: constexpr, BLOCK_G: constexpr, BLOCK_S: constexpr):
+                                sxb, sxc, sxs, syb, syc, sys,
+                                GPB: constexpr, BLOCK_C: constexpr, BLOCK_G: constexpr, BLOCK_S: constexpr):
     n, c, cmask, g, gmask, onehot = _program(C, G, CG, GPB, BLOCK_C, BLOCK_G)
     # each channel's sums shifted by its first pixel (no cancellation when |mean| >> std)
     k = tl.load(x + n.to(tl.int64) * sxb + c * sxc, mask=cmask, other=0.0).to(tl.float32)
@@ -132,8 +132,8 @@ def _group_norm_silu_fwd_kernel(x, w, b, y, mean_out, rstd_out, C, HW, G, CG, ep
 
 @jit
 def _group_norm_silu_bwd_kernel(x, dy, w, b, mean_in, rstd_in, dx, dw_part, db_part, C, HW, G, CG,
-                sxb, sxc, sxs, sdb, sdc, sds, sgb, sgc, sgs,
-                GPB: constexpr, BLOCK_C: constexpr, BLOCK_G: constexpr, BLOCK_S: constexpr):
+                                sxb, sxc, sxs, sdb, sdc, sds, sgb, sgc, sgs,
+                                GPB: constexpr, BLOCK_C: constexpr, BLOCK_G: constexpr, BLOCK_S: constexpr):
     n, c, cmask, g, gmask, onehot = _program(C, G, CG, GPB, BLOCK_C, BLOCK_G)
     mean = _to_channels(tl.load(mean_in + n * G + g, mask=gmask, other=0.0), onehot)
     rstd = _to_channels(tl.load(rstd_in + n * G + g, mask=gmask, other=0.0), onehot)

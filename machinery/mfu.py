@@ -14,9 +14,8 @@ import time
 
 import torch
 
-import files
-from errors import first_line
-from unet import UNet
+from machinery import files
+from machinery.errors import first_line
 
 # the best matmul rate measured on each machine (CPU model, threads, torch, dtype): a folder of this program's
 PEAK_CACHE = os.environ.get("DDPM_PEAK_CACHE") or os.path.join(
@@ -116,7 +115,6 @@ def cpu_has_bf16():
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
-
 def peak_flops(device, precision):
     """-> (peak FLOP/s, where it came from). CUDA: the datasheet (measured when the device is unknown);
     CPU: the measured matmul rate in the compute dtype."""
@@ -127,26 +125,27 @@ def peak_flops(device, precision):
     return measure_matmul_flops(device, dtype), f"the best {dtype} matmul measured on this {device.type}"
 
 
-def train_flops_per_image(mc, attention="sdpa"):
-    """FLOPs of one training image, forward + backward, counted by torch.utils.flop_counter.
+def train_flops_per_image(network, mc, attention="sdpa"):
+    """FLOPs of one training image through network(mc) (the UNet class), forward + backward, counted by
+    torch.utils.flop_counter.
 
     Counted on the meta device (no memory, no compute) at batch 1; every op in the UNet is
     linear in the batch, so a step costs batch_size times this.
     """
-    return counted_flops(mc, attention, backward=True)
+    return counted_flops(network, mc, attention, backward=True)
 
 
-def forward_flops_per_image(mc, attention="sdpa"):
+def forward_flops_per_image(network, mc, attention="sdpa"):
     """FLOPs of one network evaluation of one image (a sampler step), counted as train_flops_per_image."""
-    return counted_flops(mc, attention, backward=False)
+    return counted_flops(network, mc, attention, backward=False)
 
 
-def counted_flops(mc, attention, backward):
-    """FLOPs of one image through the UNet of `mc` on the meta device, with or without the backward."""
+def counted_flops(network, mc, attention, backward):
+    """FLOPs of one image through network(mc) on the meta device, with or without the backward."""
     from torch.utils.flop_counter import FlopCounterMode
 
     with torch.device("meta"):
-        model = UNet(mc, attention=attention)
+        model = network(mc, attention=attention)
         x = torch.zeros(1, mc.channels, mc.image_size, mc.image_size)
         t = torch.zeros(1, dtype=torch.long)
         y = torch.zeros(1, dtype=torch.long) if mc.num_classes > 0 else None
@@ -157,14 +156,15 @@ def counted_flops(mc, attention, backward):
     return counter.get_total_flops()
 
 
-def training_bytes(mc, batch, precision="fp32", activation_checkpointing=False):
-    """A lower bound on one training step's memory: -> (parameters, bytes). Five fp32 copies of the weights
-    (the weights, their gradients, AdamW's two moments, the EMA: 20 bytes a parameter) and, without activation
-    checkpointing, every convolution's output for `batch` images kept once for the backward pass (2 bytes an
-    element under bf16/fp16 autocast, else 4). Counted on the meta device: nothing is allocated."""
+def training_bytes(network, mc, batch, precision="fp32", activation_checkpointing=False):
+    """A lower bound on one training step's memory with network(mc) (the UNet class): -> (parameters,
+    bytes). Five fp32 copies of the weights (the weights, their gradients, AdamW's two moments, the EMA: 20
+    bytes a parameter) and, without activation checkpointing, every convolution's output for `batch` images
+    kept once for the backward pass (2 bytes an element under bf16/fp16 autocast, else 4). Counted on the
+    meta device: nothing is allocated."""
     outputs = []
     with torch.device("meta"):
-        model = UNet(mc)
+        model = network(mc)
         x = torch.zeros(1, mc.channels, mc.image_size, mc.image_size)
         t = torch.zeros(1, dtype=torch.long)
         y = torch.zeros(1, dtype=torch.long) if mc.num_classes > 0 else None
@@ -175,8 +175,8 @@ def training_bytes(mc, batch, precision="fp32", activation_checkpointing=False):
     for h in hooks:
         h.remove()
     params = sum(p.numel() for p in model.parameters())
-    activations = 0 if activation_checkpointing else sum(outputs) * batch * (2 if precision in AUTOCAST_DTYPES
-                                                                                 else 4)
+    element = 2 if precision in AUTOCAST_DTYPES else 4
+    activations = 0 if activation_checkpointing else sum(outputs) * batch * element
     return params, 20 * params + activations
 
 
@@ -313,7 +313,6 @@ def keep_freed_memory():
         return libc.mallopt(-3, 32 << 20) == 1 and libc.mallopt(-1, 2**31 - 1) == 1
     except (OSError, AttributeError):
         return False
-
 
 
 def device_name(device):

@@ -20,10 +20,8 @@ import re
 import numpy as np
 import torch
 
-import files
-import group
-import runs
-from errors import UserError, first_line
+from machinery import files, group, runs
+from machinery.errors import UserError, first_line
 
 MANIFEST_LIMIT = 64 * 2**20  # bytes: a manifest is its settings plus ~80 bytes a shard
 MAX_IMAGES = 10**8  # --n: 100 million images (CIFAR-10's FID uses 50,000)

@@ -7,21 +7,26 @@ each value parsed to its field's type and checked, and --help written from the f
         loader: str = chosen("torch", TABLE)   # a key of TABLE (looked up when checked)
     fields, preset = flat_args(sys.argv[1:], (Config,), "usage text", PRESETS, default_preset="ho")
     check_fields(Config(**fields))           # every range and choice, NaN and inf included
+
+A field typed `X | None` with default None means "decided later" (sample.py: the run's own value): it parses
+as X when given, and None passes its checks.
 """
 import dataclasses
 import inspect
 import math
 import re
 import sys
+import types
 import typing
 from typing import Literal
 
-from errors import UserError
+from machinery.errors import UserError
 
 
-def ranged(default, lo, hi=None):
-    """A numeric field whose value must lie in [lo, hi) (hi None: no upper bound); check_fields checks it."""
-    return dataclasses.field(default=default, metadata={"range": (lo, hi)})
+def ranged(default, lo, hi=None, closed=False):
+    """A numeric field whose value must lie in [lo, hi) ([lo, hi] if closed; hi None: no upper bound);
+    check_fields checks it."""
+    return dataclasses.field(default=default, metadata={"range": (lo, hi), "closed": closed})
 
 
 def chosen(default, table):
@@ -29,27 +34,41 @@ def chosen(default, table):
     return dataclasses.field(default=default, metadata={"choices": table})
 
 
+def optional_of(typ):
+    """X for a hint `X | None` (or Optional[X]), else None."""
+    if typing.get_origin(typ) in (typing.Union, types.UnionType) and type(None) in typing.get_args(typ):
+        rest = [a for a in typing.get_args(typ) if a is not type(None)]
+        return rest[0] if len(rest) == 1 else None
+    return None
+
+
 def check_fields(cfg):
-    """Each field of a config against its choices (a Literal, or a table's keys) and its range."""
+    """Each field of a config against its choices (a Literal, or a table's keys) and its range; None passes
+    for a field typed `X | None`."""
     hints = typing.get_type_hints(type(cfg))
     for f in dataclasses.fields(cfg):
-        v = getattr(cfg, f.name)
-        choices = (typing.get_args(hints[f.name]) if typing.get_origin(hints[f.name]) is Literal
+        v, hint = getattr(cfg, f.name), hints[f.name]
+        if v is None and optional_of(hint) is not None:
+            continue
+        hint = optional_of(hint) or hint
+        choices = (typing.get_args(hint) if typing.get_origin(hint) is Literal
                    else f.metadata.get("choices"))
         if choices is not None and v not in choices:  # Literal fields set from Python too, and table keys
             raise UserError(f"{f.name}='{v}': choose one of {', '.join(choices)}")
         if "range" in f.metadata:  # every number in range, NaN and inf included; a bool is not a number
-            lo, hi = f.metadata["range"]
+            (lo, hi), closed = f.metadata["range"], f.metadata.get("closed")
             if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-                    and lo <= v and (hi is None or v < hi)):
-                bounds = f">= {lo}" if hi is None else f"in [{lo}, {hi})"
+                    and lo <= v and (hi is None or v < hi or (closed and v == hi))):
+                bounds = f">= {lo}" if hi is None else f"in [{lo}, {hi}{']' if closed else ')'}"
                 raise UserError(f"{f.name}={v}: must be {bounds}")
 
 
-def flat_args(argv, classes, usage, presets, default_preset):
+def flat_args(argv, classes, usage, presets=None, default_preset=None, aliases=None):
     """argv -> ({field: value parsed to its type}, preset name). --name=value, --name value, a bare --flag for
-    true; --preset=NAME picks a preset; -h/--help prints the fields and exits. Anything else: one line."""
-    hints = {k: v for cls in classes for k, v in typing.get_type_hints(cls).items()}
+    true; --preset=NAME picks a preset (where there are presets); `aliases` maps another name to a field's;
+    -h/--help prints the fields and exits. Anything else: one line."""
+    hints = {k: optional_of(v) or v for cls in classes for k, v in typing.get_type_hints(cls).items()}
+    aliases = aliases or {}
     pairs, preset = [], default_preset
     it = iter(argv)
     for a in it:
@@ -59,16 +78,17 @@ def flat_args(argv, classes, usage, presets, default_preset):
         if not a.startswith("--"):
             raise UserError(f"unexpected argument '{a}'; fields are given as --name=value")
         name, eq, text = a[2:].partition("=")
+        name = aliases.get(name, name)
         flag = hints.get(name) is bool or "true" in typing.get_args(hints.get(name))  # takes a bare --name
         if not eq and not flag:  # '--name value'; a bare '--flag' means true
             text = next(it, None)
             if text is None:
                 raise UserError(f"--{name} needs a value")
-        if name == "preset":
+        if name == "preset" and presets is not None:
             preset = text
         else:
             pairs.append((name, text if eq or not flag else "true"))
-    if preset not in presets:
+    if presets is not None and preset not in presets:
         raise UserError(f"unknown preset '{preset}'; choose one of {', '.join(presets)}")
     fields = {}
     for name, text in pairs:
@@ -104,13 +124,15 @@ def parse_value(name, text, typ):
 
 def print_help(classes, usage, presets, default_preset):
     print(usage)
-    print(f"--preset=NAME  one of: {', '.join(presets)} (default {default_preset}); later --fields override "
-          "it\n")
+    if presets is not None:
+        print(f"--preset=NAME  one of: {', '.join(presets)} (default {default_preset}); later --fields "
+              "override it\n")
     for cls in classes:
         print(f"{cls.__name__}:")
         comments = field_comments(cls)
         for f in dataclasses.fields(cls):
             default = f.default if not isinstance(f.default, tuple) else ",".join(map(str, f.default))
+            default = "" if default is None else default
             print(f"  {f'--{f.name}={default}':<34} {comments.get(f.name, '')}")
         print()
 
