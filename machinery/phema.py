@@ -20,7 +20,7 @@ import re
 import numpy as np
 import torch
 
-from machinery import files
+from machinery import checkpoints, files
 from machinery.errors import UserError, first_line, reported
 from machinery.progress import Progress
 
@@ -306,14 +306,12 @@ def sigma_rels(text):
 
 
 def read_checkpoint(path):
-    """A run's ema.pt (or ckpt.pt), read with weights_only=True from a regular file: -> (the checkpoint, its
-    step, its post-hoc EMA's run: None for a run begun before snapshots named their run)."""
-    try:
-        with files.open_regular(path) as f:
-            ckpt = torch.load(f, map_location="cpu", weights_only=True)
-        step, tracked = ckpt["step"], ckpt.get("phema")  # ema.pt names the run; ckpt.pt's averages do
-    except Exception as e:
-        raise UserError(f"cannot read checkpoint {path} ({type(e).__name__}: {first_line(e)[:80]})") from None
+    """A run's ema.pt (or ckpt.pt), read as every checkpoint is (checkpoints.load_checkpoint): -> (the
+    checkpoint, its step, its post-hoc EMA's run: None for a run begun before snapshots named their run)."""
+    ckpt = checkpoints.load_checkpoint(path, "cpu")
+    if not isinstance(ckpt, dict):
+        raise UserError(f"{path} is not a checkpoint of a run (no dict of weights and settings)")
+    step, tracked = ckpt.get("step"), ckpt.get("phema")  # ema.pt names the run; ckpt.pt's averages do
     run = ckpt.get("phema_run", tracked.get("run") if isinstance(tracked, dict) else None)
     if type(step) is not int or step < 1 or not (run is None or isinstance(run, str)):
         raise UserError(f"{path} does not say which step and run it is of: not a checkpoint of a run")

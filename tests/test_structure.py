@@ -26,7 +26,7 @@ ALLOWED = {  # what importing each module may load of ours, itself included (the
     "machinery.diffusers_io": BASE,  # handed the network's side of the format (unet) by its caller
     "machinery.mfu": BASE,  # handed the network class whose FLOPs and memory it counts
     "machinery.checkpoints": BASE,
-    "machinery.phema": {"machinery.group", "machinery.progress"} | BASE,
+    "machinery.phema": {"machinery.checkpoints", "machinery.group", "machinery.progress"} | BASE,
     "machinery.runs": {"machinery.checkpoints", "machinery.group", "machinery.mfu"} | BASE,
     "machinery.shards": {"machinery.runs", "machinery.checkpoints", "machinery.group",
                          "machinery.mfu"} | BASE,
