@@ -72,6 +72,10 @@ class ModelConfig:  # the network and the diffusion process
     scale_shift_norm: bool = False                      # the time embedding scales and shifts the residual
                                                         # block's second norm (Dhariwal & Nichol 2021, ADM);
                                                         # off: it is added before that norm (Ho et al.)
+    resample: Literal["conv", "resblock"] = "conv"     # between levels: Ho et al.'s stride-2 conv down and
+                                                        # nearest + conv up, or BigGAN's residual block that
+                                                        # pools / upsamples inside (Brock et al. 2019; ADM's
+                                                        # resblock_updown)
 
     num_classes: int = ranged(0, 0, 10**6)              # class-conditional with this many classes; 0 =
                                                         # unconditional

@@ -98,11 +98,16 @@ class ResBlock(nn.Module):
     norm(h)·(1 + s) + b (Dhariwal & Nichol 2021's AdaGN; diffusers' resnet_time_scale_shift='scale_shift'),
     instead of being added before it.
     norm_kernel: how each GroupNorm-SiLU pair runs (norm_silu); with scale_shift the second norm's scale and
-    shift sit between the two, so that one always runs on torch."""
+    shift sit between the two, so that one always runs on torch.
+    resample: 'down' or 'up' makes it BigGAN's resampling block (Brock et al. 2019 Fig. 15; ADM's
+    resblock_updown; diffusers' ResnetBlock2D(down=True / up=True)): after the first norm-SiLU, both the
+    residual and the skip are halved by 2x2 average pooling or doubled by nearest upsampling."""
 
-    def __init__(self, in_ch, out_ch, temb_ch, dropout, groups=0, scale_shift=False, norm_kernel="torch"):
+    def __init__(self, in_ch, out_ch, temb_ch, dropout, groups=0, scale_shift=False, norm_kernel="torch",
+                 resample=None):
         super().__init__()
         self.scale_shift, self.norm_kernel = scale_shift, norm_kernel
+        self.resample = {None: None, "down": halve, "up": double}[resample]
         self.norm1 = group_norm(in_ch, groups)
         self.conv1 = ho_init(nn.Conv2d(in_ch, out_ch, 3, padding=1))
         self.temb_proj = ho_init(nn.Linear(temb_ch, 2 * out_ch if scale_shift else out_ch))
@@ -112,7 +117,10 @@ class ResBlock(nn.Module):
         self.skip = ho_init(nn.Conv2d(in_ch, out_ch, 1)) if in_ch != out_ch else nn.Identity()  # Ho's "nin"
 
     def forward(self, x, temb):
-        h = self.conv1(norm_silu(self.norm1, x, self.norm_kernel))
+        h = norm_silu(self.norm1, x, self.norm_kernel)
+        if self.resample is not None:
+            h, x = self.resample(h), self.resample(x)
+        h = self.conv1(h)
         emb = self.temb_proj(F.silu(temb))[:, :, None, None]
         if self.scale_shift:
             scale, shift = emb.chunk(2, dim=1)
@@ -171,6 +179,14 @@ class Attention(nn.Module):
         return x + self.proj(h).transpose(1, 2).reshape(B, C, H, W)
 
 
+def halve(x):
+    return F.avg_pool2d(x, 2)
+
+
+def double(x):
+    return F.interpolate(x, scale_factor=2.0, mode="nearest")
+
+
 class Downsample(nn.Module):
     """Stride-2 3x3 conv with TF's padding='SAME', as Ho et al. ran it: on an even size, 0 rows and columns
     of zeros before and 1 after (a symmetric padding=1 would shift the sampling grid by one pixel)."""
@@ -179,7 +195,7 @@ class Downsample(nn.Module):
         super().__init__()
         self.conv = ho_init(nn.Conv2d(channels, channels, 3, stride=2))
 
-    def forward(self, x):
+    def forward(self, x, temb=None):  # temb: unused; called as the resampling ResBlock is
         return self.conv(F.pad(x, (0, 1, 0, 1)))
 
 
@@ -188,8 +204,8 @@ class Upsample(nn.Module):
         super().__init__()
         self.conv = ho_init(nn.Conv2d(channels, channels, 3, padding=1))
 
-    def forward(self, x):
-        return self.conv(F.interpolate(x, scale_factor=2.0, mode="nearest"))
+    def forward(self, x, temb=None):  # temb: unused; called as the resampling ResBlock is
+        return self.conv(double(x))
 
 
 class Level(nn.Module):
@@ -231,6 +247,13 @@ class UNet(nn.Module):
             self.register_buffer("pos_emb", position_embedding_2d(ch, cfg.image_size // P), persistent=False)
 
         widths = [int(ch * m) for m in cfg.channel_mult]
+
+        def resampler(way, width):  # between levels: Ho's conv, or BigGAN's residual block
+            if cfg.resample == "conv":
+                return Downsample(width) if way == "down" else Upsample(width)
+            return ResBlock(width, width, temb_ch, cfg.dropout, cfg.norm_groups, cfg.scale_shift_norm,
+                            norm_kernel, resample=way)
+
         res = cfg.image_size // P  # resolution of the patched grid
         skip_chs = [ch]  # channels of every activation the up path will concatenate
         self.down, self.downsample = nn.ModuleList(), nn.ModuleList()
@@ -242,7 +265,7 @@ class UNet(nn.Module):
             skip_chs += [w] * cfg.num_res_blocks
             cur = w
             last = i == len(widths) - 1
-            self.downsample.append(nn.Identity() if last else Downsample(cur))
+            self.downsample.append(nn.Identity() if last else resampler("down", cur))
             if not last:
                 skip_chs.append(cur)
                 res //= 2
@@ -260,7 +283,7 @@ class UNet(nn.Module):
                 cur = w
             self.up.append(Level(in_chs, w, temb_ch, res in cfg.attn_resolutions, cfg, attention,
                                  norm_kernel))
-            self.upsample.append(Upsample(cur) if i > 0 else nn.Identity())
+            self.upsample.append(resampler("up", cur) if i > 0 else nn.Identity())
             if i > 0:
                 res *= 2
 
@@ -287,7 +310,7 @@ class UNet(nn.Module):
                 h = self.block(attn, self.block(res, h, temb))
                 hs.append(h)
             if not isinstance(down, nn.Identity):
-                h = down(h)
+                h = self.block(down, h, temb)
                 hs.append(h)
 
         h = self.block(self.mid_res1, h, temb)
@@ -296,7 +319,8 @@ class UNet(nn.Module):
         for level, up in zip(self.up, self.upsample):
             for res, attn in zip(level.res, level.attn):
                 h = self.block(attn, self.block(res, torch.cat([h, hs.pop()], dim=1), temb))
-            h = up(h)
+            if not isinstance(up, nn.Identity):
+                h = self.block(up, h, temb)
 
         h = self.conv_out(norm_silu(self.norm_out, h, self.norm_kernel))
         return F.pixel_shuffle(h, P) if P > 1 else h
@@ -337,6 +361,12 @@ def diffusers_names(name):
     return [name.replace(".qkv.", f".{n}.") for n in QKV] if ".qkv." in name else [name]
 
 
+# our resample field -> diffusers' resampling in its attention blocks, and its block types without attention
+RESAMPLE_TYPES = {"conv": "conv", "resblock": "resnet"}
+DOWN_BLOCKS = {"conv": "DownBlock2D", "resblock": "ResnetDownsampleBlock2D"}
+UP_BLOCKS = {"conv": "UpBlock2D", "resblock": "ResnetUpsampleBlock2D"}
+
+
 def diffusers_config(model):
     """The UNet2DModel config (config.json's fields) of `model`; ValueError naming what it cannot express."""
     cfg = model.cfg
@@ -368,12 +398,13 @@ def diffusers_config(model):
         "out_channels": cfg.channels, "center_input_sample": False, "time_embedding_type": "positional",
         # Ho's frequencies, sin before cos
         "time_embedding_dim": None, "freq_shift": 1, "flip_sin_to_cos": False,
-        "down_block_types": ["AttnDownBlock2D" if a else "DownBlock2D" for a in attn],
+        "down_block_types": ["AttnDownBlock2D" if a else DOWN_BLOCKS[cfg.resample] for a in attn],
         "mid_block_type": "UNetMidBlock2D",
-        "up_block_types": ["AttnUpBlock2D" if a else "UpBlock2D" for a in reversed(attn)],
+        "up_block_types": ["AttnUpBlock2D" if a else UP_BLOCKS[cfg.resample] for a in reversed(attn)],
         "block_out_channels": widths, "layers_per_block": cfg.num_res_blocks, "mid_block_scale_factor": 1,
         "downsample_padding": 0,  # TF's 'SAME' on the stride-2 conv, as our Downsample
-        "downsample_type": "conv", "upsample_type": "conv", "dropout": cfg.dropout, "act_fn": "silu",
+        "downsample_type": RESAMPLE_TYPES[cfg.resample], "upsample_type": RESAMPLE_TYPES[cfg.resample],
+        "dropout": cfg.dropout, "act_fn": "silu",
         # with scale_shift, diffusers' mid-block attention has a norm only if attn_norm_num_groups says so
         "attention_head_dim": head_dim, "norm_num_groups": (g := groups.pop()),
         "attn_norm_num_groups": g if cfg.scale_shift_norm else None,
@@ -413,10 +444,14 @@ def model_fields_from_diffusers(config):
          "widths as multiples")
     down, up = config["down_block_types"], config["up_block_types"]
     down, up = (list(b) if isinstance(b, (list, tuple)) else [] for b in (down, up))
-    need(len(down) == len(widths) and all(b in ("DownBlock2D", "AttnDownBlock2D") for b in down),
-         "down_block_types", "DownBlock2D and AttnDownBlock2D, one per width")
+    resample = {v: k for k, v in RESAMPLE_TYPES.items()}.get(config["downsample_type"])
+    need(resample is not None, "downsample_type", "a stride-2 conv or a residual block")
+    need(config["upsample_type"] == config["downsample_type"], "upsample_type", "the same as downsample_type")
+    need(len(down) == len(widths) and all(b in (DOWN_BLOCKS[resample], "AttnDownBlock2D") for b in down),
+         "down_block_types", f"{DOWN_BLOCKS[resample]} and AttnDownBlock2D, one per width, with "
+         f"downsample_type={config['downsample_type']!r}")
     attn = [b == "AttnDownBlock2D" for b in down]
-    need(up == ["AttnUpBlock2D" if a else "UpBlock2D" for a in reversed(attn)], "up_block_types",
+    need(up == ["AttnUpBlock2D" if a else UP_BLOCKS[resample] for a in reversed(attn)], "up_block_types",
          "the down blocks mirrored")
     need(config["mid_block_type"] == "UNetMidBlock2D", "mid_block_type", "a mid block with attention")
     groups = config["norm_num_groups"]
@@ -434,7 +469,8 @@ def model_fields_from_diffusers(config):
                 attn_resolutions=tuple(size // 2**i for i, a in enumerate(attn) if a),
                 attn_heads=1 if head_dim is None else 0, attn_head_dim=head_dim or 0,
                 dropout=config["dropout"], num_classes=0, patch_size=1, pos_emb=False,
-                norm_groups=groups, scale_shift_norm=config["resnet_time_scale_shift"] == "scale_shift")
+                norm_groups=groups, scale_shift_norm=config["resnet_time_scale_shift"] == "scale_shift",
+                resample=resample)
 
 
 def diffusers_state_dict(model):

@@ -46,8 +46,10 @@ def their_model(model):
                                 wide(channel_mult=(1, 2, 2), num_res_blocks=2, attn_resolutions=(16, 4),
                                      attn_heads=0, attn_head_dim=32),
                                 tiny_model(base_channels=32, norm_groups=16),  # a budget study's width
-                                wide(scale_shift_norm=True)],  # ADM's scale and shift after the norm
-                         ids=["ho", "multihead", "base32", "scale_shift"])
+                                wide(scale_shift_norm=True),  # ADM's scale and shift after the norm
+                                # BigGAN's resampling blocks, with and without attention on either path
+                                wide(channel_mult=(1, 2, 2), attn_resolutions=(8,), resample="resblock")],
+                         ids=["ho", "multihead", "base32", "scale_shift", "resblock"])
 def test_float64_output_equals_diffusers(mc):
     torch.manual_seed(0)
     ours = randomise(UNet(mc)).double().eval()
@@ -291,3 +293,19 @@ def test_scale_shift_config_goes_both_ways():
     unet.check_diffusers_config(UNet(dataclasses.replace(model.cfg, **fields)), config)
     with pytest.raises(ValueError, match="attn_norm_num_groups"):
         unet.check_diffusers_config(model, {**config, "attn_norm_num_groups": None})
+
+
+def test_resample_config_goes_both_ways():
+    """A network with BigGAN's resampling blocks reads back from its config.json as the same network; a
+    config that resamples one way on the down path and another on the up path is refused."""
+    model = UNet(wide(channel_mult=(1, 2, 2), attn_resolutions=(8,), resample="resblock"))
+    config = unet.diffusers_config(model)
+    assert config["down_block_types"] == ["ResnetDownsampleBlock2D", "AttnDownBlock2D",
+                                          "ResnetDownsampleBlock2D"]
+    fields = unet.model_fields_from_diffusers(config)
+    assert fields["resample"] == "resblock"
+    unet.check_diffusers_config(UNet(dataclasses.replace(model.cfg, **fields)), config)
+    with pytest.raises(ValueError, match="upsample_type='conv' cannot be expressed"):
+        unet.model_fields_from_diffusers({**config, "upsample_type": "conv"})
+    with pytest.raises(ValueError, match="down_block_types=.*cannot be expressed"):
+        unet.model_fields_from_diffusers({**config, "downsample_type": "conv", "upsample_type": "conv"})
