@@ -76,6 +76,9 @@ class ModelConfig:  # the network and the diffusion process
                                                         # nearest + conv up, or BigGAN's residual block that
                                                         # pools / upsamples inside (Brock et al. 2019; ADM's
                                                         # resblock_updown)
+    mp_layers: bool = False                             # EDM2's magnitude-preserving layers (Karras et al.
+                                                        # 2024 §2, configs D, E, G; unet.py), Ho's GroupNorms
+                                                        # kept: the LR is then relative (EDM2: 1e-2)
 
     num_classes: int = ranged(0, 0, 10**6)              # class-conditional with this many classes; 0 =
                                                         # unconditional
@@ -888,6 +891,7 @@ def train_step(model, diffusion, opt, x0, y, precision, grad_clip, shard=(0, 1),
         opt.step()
     elif ok.item():  # unfused optimizers cannot skip on the device
         opt.step()
+    unet.force_weight_norm_(model)  # mp_layers: every weight row back to norm √fan_in (EDM2's config E)
     if scaler:
         scaler.update()  # from the overflow check unscale_ recorded: lower the scale, or grow it in time
     opt.zero_grad(set_to_none=True)

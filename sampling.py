@@ -80,13 +80,15 @@ class Capture:
 
 def sampling_network(args, model, mc, device, precision):
     """-> (the network the samplers call, the Capture of their step). bf16 weights for the convolutions and
-    dense layers where autocast would cast them to bf16 at every call (the same bits, tested); compiled, the
-    weights in channels_last."""
+    dense layers where autocast would cast them to bf16 at every call (the same bits, tested), but for the
+    magnitude-preserving ones, which normalise their float32 weights first; compiled, the weights in
+    channels_last."""
     nets = [model.low, model.high] if isinstance(model, ddpm.SplitModel) else [model]
     mode = args.compile if args.compile != "auto" else "reduce-overhead" if device.type == "cuda" else "false"
     for net in nets:
         for layer in net.modules():
-            if precision == "bf16" and isinstance(layer, (torch.nn.Conv2d, torch.nn.Linear)):
+            if (precision == "bf16" and isinstance(layer, (torch.nn.Conv2d, torch.nn.Linear))
+                    and not isinstance(layer, (unet.MPConv, unet.MPDense))):
                 layer.to(torch.bfloat16)
         if mode != "false":
             net.to(memory_format=torch.channels_last)

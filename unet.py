@@ -18,6 +18,10 @@ diffusers' UNet2DModel to ~1e-15 in float64. The last section converts weights a
 from UNet2DModel's names (diffusers_state_dict, load_diffusers_state_dict); activation_checkpointing=True
 recomputes each block in the backward pass; norm_kernel='triton' runs each GroupNorm-SiLU pair as one fused
 Triton kernel (kernels.py, CUDA).
+
+Two of issue 50's levers change the network itself, both off by default: resample='resblock' puts BigGAN's
+residual resampling blocks between the levels (ResBlock), and mp_layers puts EDM2's magnitude-preserving
+layers in place of Ho's convs, dense layers, sums and concatenations (the section after ho_init).
 """
 import math
 import re
@@ -63,6 +67,103 @@ def ho_init(layer, scale=1.0, parts=1):
     return layer
 
 
+def conv(in_ch, out_ch, kernel, mp=False, scale=1.0, gain=1.0, **kw):
+    """A conv layer: Ho et al.'s (ho_init at `scale`), or with mp a magnitude-preserving one (MPConv) whose
+    output is multiplied by `gain` (1/MP_SILU after a SiLU)."""
+    if mp:
+        return MPConv(in_ch, out_ch, kernel, gain, **kw)
+    return ho_init(nn.Conv2d(in_ch, out_ch, kernel, **kw), scale)
+
+
+def dense(in_f, out_f, mp=False, scale=1.0, gain=1.0, parts=1):
+    """A dense layer, as conv()."""
+    return MPDense(in_f, out_f, gain) if mp else ho_init(nn.Linear(in_f, out_f), scale, parts)
+
+
+# -----------------------------------------------------------------------------
+# EDM2's magnitude-preserving layers (Karras et al. 2024 §2: config D's learned layers, E's forced weight
+# normalisation, G's fixed-function layers), ModelConfig.mp_layers, here in Ho et al.'s network with its
+# GroupNorms kept. The magnitude M[x] = (mean of E[x²])^½ stays 1 along the network: each conv and dense layer
+# has no bias and divides each of its weight rows by the row's norm in the forward, so white inputs of
+# magnitude 1 give outputs of magnitude 1; SiLU is divided by its magnitude on N(0, 1) (folded into the next
+# layer's gain); residual sums and skip concatenations are weighted to keep their inputs' magnitude; the
+# output has a learned gain that starts at 0 (Ho's zero-initialised last layers cannot be normalised).
+# force_weight_norm_, which train_step calls after every optimizer step, projects each stored row back to
+# norm √fan_in, so that Adam's steps change every layer by the same relative amount: the LR is relative to
+# weights of magnitude 1 (EDM2 trains at 1e-2).
+
+MP_SILU = 0.596     # M[silu(x)] for x ~ N(0, 1): E[silu(x)²]^½ (tests/test_unet.py integrates it)
+MP_RESIDUAL = 0.3   # t of mp_sum between a block's input and its residual branch (EDM2's value)
+MP_SKIP = 0.5       # t of mp_cat between the up path and a skip connection: both count the same
+MP_EPS = 1e-4       # added to a weight row's norm before dividing by it
+
+
+def unit_norm(w, dims):
+    """w divided by its norm over `dims` (one row's), computed in float32."""
+    norm = torch.linalg.vector_norm(w.float(), dim=dims, keepdim=True)
+    return (w.float() / (norm + MP_EPS)).to(w.dtype)
+
+
+def mp_sum(a, b, t):
+    """The magnitude-preserving sum: the lerp (1-t)·a + t·b over √((1-t)² + t²), so that uncorrelated a and
+    b of magnitude 1 give magnitude 1."""
+    return ((1 - t) * a + t * b) / math.sqrt((1 - t) ** 2 + t * t)
+
+
+def mp_cat(a, b, t):
+    """The magnitude-preserving concatenation along channels: a weighted (1-t)/√N_a, b weighted t/√N_b, both
+    scaled by √((N_a + N_b) / ((1-t)² + t²)), so that a and b of magnitude 1 give magnitude 1."""
+    na, nb = a.shape[1], b.shape[1]
+    c = math.sqrt((na + nb) / ((1 - t) ** 2 + t * t))
+    return torch.cat([a * (c * (1 - t) / math.sqrt(na)), b * (c * t / math.sqrt(nb))], dim=1)
+
+
+class MPConv(nn.Conv2d):
+    """A conv without bias whose weight rows (one per output channel) have norm 1 in the forward."""
+
+    def __init__(self, in_ch, out_ch, kernel, gain=1.0, **kw):
+        super().__init__(in_ch, out_ch, kernel, bias=False, **kw)
+        nn.init.normal_(self.weight)  # rows of norm ≈ √fan_in, where force_weight_norm_ keeps them
+        self.gain, self.row = gain, (1, 2, 3)
+
+    def forward(self, x):
+        return self._conv_forward(x, unit_norm(self.weight, self.row) * self.gain, None)
+
+
+class MPDense(nn.Linear):
+    """A dense layer without bias whose weight rows have norm 1 in the forward."""
+
+    def __init__(self, in_f, out_f, gain=1.0):
+        super().__init__(in_f, out_f, bias=False)
+        nn.init.normal_(self.weight)
+        self.gain, self.row = gain, (1,)
+
+    def forward(self, x):
+        return F.linear(x, unit_norm(self.weight, self.row) * self.gain)
+
+
+class MPEmbedding(nn.Embedding):
+    """The class embedding as EDM2 has it: an MPDense on the one-hot label scaled to magnitude 1 (× √N for
+    N classes), i.e. a lookup in a table whose columns (one per output channel) have norm √N."""
+
+    def __init__(self, n, dim):
+        super().__init__(n, dim)  # N(0, 1)
+        self.row = (0,)
+
+    def forward(self, y):
+        return F.embedding(y, unit_norm(self.weight, self.row) * math.sqrt(self.num_embeddings))
+
+
+@torch.no_grad()
+def force_weight_norm_(model):
+    """EDM2's forced weight normalisation: every magnitude-preserving layer's stored weight rows back to norm
+    √(row size), the magnitude-1 elements the forward's unit rows start from. A no-op without them."""
+    for m in model.modules():
+        if isinstance(m, (MPConv, MPDense, MPEmbedding)):
+            size = math.prod(m.weight.shape[d] for d in m.row)
+            m.weight.copy_(unit_norm(m.weight, m.row) * math.sqrt(size))
+
+
 def timestep_embedding(t, dim, max_period=10000.0):
     """Sinusoidal embedding of t: (B,) -> (B, dim), float32 (Vaswani et al. 2017, §3.5), with Ho et al.'s
     frequencies max_period^(-i / (dim/2 - 1)), i = 0..dim/2-1 (diffusion_tf's get_timestep_embedding)."""
@@ -104,17 +205,18 @@ class ResBlock(nn.Module):
     residual and the skip are halved by 2x2 average pooling or doubled by nearest upsampling."""
 
     def __init__(self, in_ch, out_ch, temb_ch, dropout, groups=0, scale_shift=False, norm_kernel="torch",
-                 resample=None):
+                 resample=None, mp=False):
         super().__init__()
-        self.scale_shift, self.norm_kernel = scale_shift, norm_kernel
+        self.scale_shift, self.norm_kernel, self.mp = scale_shift, norm_kernel, mp
         self.resample = {None: None, "down": halve, "up": double}[resample]
+        after_silu = 1 / MP_SILU
         self.norm1 = group_norm(in_ch, groups)
-        self.conv1 = ho_init(nn.Conv2d(in_ch, out_ch, 3, padding=1))
-        self.temb_proj = ho_init(nn.Linear(temb_ch, 2 * out_ch if scale_shift else out_ch))
+        self.conv1 = conv(in_ch, out_ch, 3, mp, gain=after_silu, padding=1)
+        self.temb_proj = dense(temb_ch, 2 * out_ch if scale_shift else out_ch, mp, gain=after_silu)
         self.norm2 = group_norm(out_ch, groups)
         self.dropout = nn.Dropout(dropout)
-        self.conv2 = ho_init(nn.Conv2d(out_ch, out_ch, 3, padding=1), scale=0)
-        self.skip = ho_init(nn.Conv2d(in_ch, out_ch, 1)) if in_ch != out_ch else nn.Identity()  # Ho's "nin"
+        self.conv2 = conv(out_ch, out_ch, 3, mp, scale=0, gain=after_silu, padding=1)
+        self.skip = conv(in_ch, out_ch, 1, mp) if in_ch != out_ch else nn.Identity()  # Ho's "nin"
 
     def forward(self, x, temb):
         h = norm_silu(self.norm1, x, self.norm_kernel)
@@ -128,7 +230,7 @@ class ResBlock(nn.Module):
         else:
             h = norm_silu(self.norm2, h + emb, self.norm_kernel)
         h = self.conv2(dropout(h, self.dropout.p, self.training))
-        return self.skip(x) + h
+        return mp_sum(self.skip(x), h, MP_RESIDUAL) if self.mp else self.skip(x) + h
 
 
 def dropout(x, p, training):
@@ -155,15 +257,16 @@ class Attention(nn.Module):
     'math' writes the softmax out, as the reference baseline did.
     """
 
-    def __init__(self, channels, heads, head_dim, backend, groups=0):
+    def __init__(self, channels, heads, head_dim, backend, groups=0, mp=False):
         super().__init__()
+        self.mp = mp
         self.heads = heads or channels // head_dim  # heads = 0: as many heads of head_dim as the width holds
         self.head_dim = head_dim or channels // heads
         inner = self.heads * self.head_dim
         self.backend = backend
         self.norm = group_norm(channels, groups)
-        self.qkv = ho_init(nn.Linear(channels, 3 * inner), parts=3)  # Ho et al.'s q, k, v: three C x C layers
-        self.proj = ho_init(nn.Linear(inner, channels), scale=0)
+        self.qkv = dense(channels, 3 * inner, mp, parts=3)  # Ho et al.'s q, k, v: three C x C layers
+        self.proj = dense(inner, channels, mp, scale=0)
 
     def forward(self, x):
         B, C, H, W = x.shape
@@ -176,7 +279,8 @@ class Attention(nn.Module):
             att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))  # (B, nh, HW, HW)
             h = att.softmax(dim=-1) @ v
         h = h.transpose(1, 2).reshape(B, H * W, self.heads * self.head_dim)  # (B, HW, nh·hd)
-        return x + self.proj(h).transpose(1, 2).reshape(B, C, H, W)
+        h = self.proj(h).transpose(1, 2).reshape(B, C, H, W)
+        return mp_sum(x, h, MP_RESIDUAL) if self.mp else x + h
 
 
 def halve(x):
@@ -191,18 +295,18 @@ class Downsample(nn.Module):
     """Stride-2 3x3 conv with TF's padding='SAME', as Ho et al. ran it: on an even size, 0 rows and columns
     of zeros before and 1 after (a symmetric padding=1 would shift the sampling grid by one pixel)."""
 
-    def __init__(self, channels):
+    def __init__(self, channels, mp=False):
         super().__init__()
-        self.conv = ho_init(nn.Conv2d(channels, channels, 3, stride=2))
+        self.conv = conv(channels, channels, 3, mp, stride=2)
 
     def forward(self, x, temb=None):  # temb: unused; called as the resampling ResBlock is
         return self.conv(F.pad(x, (0, 1, 0, 1)))
 
 
 class Upsample(nn.Module):
-    def __init__(self, channels):
+    def __init__(self, channels, mp=False):
         super().__init__()
-        self.conv = ho_init(nn.Conv2d(channels, channels, 3, padding=1))
+        self.conv = conv(channels, channels, 3, mp, padding=1)
 
     def forward(self, x, temb=None):  # temb: unused; called as the resampling ResBlock is
         return self.conv(double(x))
@@ -215,9 +319,10 @@ class Level(nn.Module):
         super().__init__()
         groups = cfg.norm_groups
         self.res = nn.ModuleList(ResBlock(c, out_ch, temb_ch, cfg.dropout, groups, cfg.scale_shift_norm,
-                                          norm_kernel) for c in in_chs)
+                                          norm_kernel, mp=cfg.mp_layers) for c in in_chs)
         self.attn = nn.ModuleList(
-            Attention(out_ch, cfg.attn_heads, cfg.attn_head_dim, backend, groups) if attn else nn.Identity()
+            Attention(out_ch, cfg.attn_heads, cfg.attn_head_dim, backend, groups, cfg.mp_layers) if attn
+            else nn.Identity()
             for _ in in_chs
         )
 
@@ -238,11 +343,13 @@ class UNet(nn.Module):
         self.norm_kernel = norm_kernel
         P, ch = cfg.patch_size, cfg.base_channels
         temb_ch = 4 * ch
-        self.time_mlp = nn.Sequential(ho_init(nn.Linear(ch, temb_ch)), nn.SiLU(),
-                                      ho_init(nn.Linear(temb_ch, temb_ch)))
+        mp = cfg.mp_layers
+        self.time_mlp = nn.Sequential(dense(ch, temb_ch, mp), nn.SiLU(),
+                                      dense(temb_ch, temb_ch, mp, gain=1 / MP_SILU))
         # one extra class index, num_classes, is the "no label" class used by classifier-free guidance
-        self.class_emb = nn.Embedding(cfg.num_classes + 1, temb_ch) if cfg.num_classes > 0 else None
-        self.conv_in = ho_init(nn.Conv2d(cfg.channels * P * P, ch, 3, padding=1))
+        embedding = MPEmbedding if mp else nn.Embedding
+        self.class_emb = embedding(cfg.num_classes + 1, temb_ch) if cfg.num_classes > 0 else None
+        self.conv_in = conv(cfg.channels * P * P, ch, 3, mp, padding=1)
         if cfg.pos_emb:
             self.register_buffer("pos_emb", position_embedding_2d(ch, cfg.image_size // P), persistent=False)
 
@@ -250,9 +357,9 @@ class UNet(nn.Module):
 
         def resampler(way, width):  # between levels: Ho's conv, or BigGAN's residual block
             if cfg.resample == "conv":
-                return Downsample(width) if way == "down" else Upsample(width)
+                return Downsample(width, mp) if way == "down" else Upsample(width, mp)
             return ResBlock(width, width, temb_ch, cfg.dropout, cfg.norm_groups, cfg.scale_shift_norm,
-                            norm_kernel, resample=way)
+                            norm_kernel, resample=way, mp=mp)
 
         res = cfg.image_size // P  # resolution of the patched grid
         skip_chs = [ch]  # channels of every activation the up path will concatenate
@@ -270,9 +377,9 @@ class UNet(nn.Module):
                 skip_chs.append(cur)
                 res //= 2
 
-        mid = (cur, cur, temb_ch, cfg.dropout, cfg.norm_groups, cfg.scale_shift_norm, norm_kernel)
+        mid = (cur, cur, temb_ch, cfg.dropout, cfg.norm_groups, cfg.scale_shift_norm, norm_kernel, None, mp)
         self.mid_res1 = ResBlock(*mid)
-        self.mid_attn = Attention(cur, cfg.attn_heads, cfg.attn_head_dim, attention, cfg.norm_groups)
+        self.mid_attn = Attention(cur, cfg.attn_heads, cfg.attn_head_dim, attention, cfg.norm_groups, mp)
         self.mid_res2 = ResBlock(*mid)
 
         self.up, self.upsample = nn.ModuleList(), nn.ModuleList()
@@ -288,22 +395,28 @@ class UNet(nn.Module):
                 res *= 2
 
         self.norm_out = group_norm(cur, cfg.norm_groups)
-        self.conv_out = ho_init(nn.Conv2d(cur, cfg.channels * P * P, 3, padding=1), scale=0)
+        self.conv_out = conv(cur, cfg.channels * P * P, 3, mp, scale=0, gain=1 / MP_SILU, padding=1)
+        if mp:  # the output's learned gain, from 0: the network starts at 0, as Ho's does
+            self.out_gain = nn.Parameter(torch.zeros([]))
 
     def forward(self, x, t, y=None):
         """x: (B, C, H, W); t: (B,) timesteps; y: (B,) labels in [0, num_classes], num_classes = no label."""
         P = self.cfg.patch_size
         emb = timestep_embedding(t, self.cfg.base_channels)  # float32, as in Ho et al. and diffusers
+        mp = self.cfg.mp_layers
+        if mp:  # sines and cosines of amplitude 1 have magnitude 1/√2
+            emb = emb * math.sqrt(2)
         # (B, 4ch), in the network's dtype (float64 too)
         temb = self.time_mlp(emb.to(self.conv_in.weight.dtype))
         if self.class_emb is not None:
             if y is None:  # unconditional call: everything gets the null class
                 y = torch.full((x.shape[0],), self.cfg.num_classes, device=x.device, dtype=torch.long)
-            temb = temb + self.class_emb(y)
+            temb = mp_sum(temb, self.class_emb(y), 0.5) if mp else temb + self.class_emb(y)
 
         h = self.conv_in(F.pixel_unshuffle(x, P) if P > 1 else x)  # (B, ch, H/P, W/P)
         if self.cfg.pos_emb:
-            h = h + self.pos_emb.to(h.dtype)
+            pos = self.pos_emb.to(h.dtype)
+            h = mp_sum(h, math.sqrt(2) * pos, 0.5) if mp else h + pos
         hs = [h]
         for level, down in zip(self.down, self.downsample):
             for res, attn in zip(level.res, level.attn):
@@ -318,11 +431,14 @@ class UNet(nn.Module):
 
         for level, up in zip(self.up, self.upsample):
             for res, attn in zip(level.res, level.attn):
-                h = self.block(attn, self.block(res, torch.cat([h, hs.pop()], dim=1), temb))
+                joined = mp_cat(h, hs.pop(), MP_SKIP) if mp else torch.cat([h, hs.pop()], dim=1)
+                h = self.block(attn, self.block(res, joined, temb))
             if not isinstance(up, nn.Identity):
                 h = self.block(up, h, temb)
 
         h = self.conv_out(norm_silu(self.norm_out, h, self.norm_kernel))
+        if mp:
+            h = h * self.out_gain.to(h.dtype)
         return F.pixel_shuffle(h, P) if P > 1 else h
 
     def block(self, module, *args):
@@ -378,6 +494,7 @@ def diffusers_config(model):
     need(cfg.patch_size == 1, "patch_size", "it has no patching")
     need(not cfg.pos_emb, "pos_emb", "it has no position embedding")
     need(cfg.num_classes == 0, "num_classes", "it has no null class for guidance")
+    need(not cfg.mp_layers, "mp_layers", "it has no magnitude-preserving layers")
     widths = [int(cfg.base_channels * m) for m in cfg.channel_mult]
     need(widths[0] == cfg.base_channels, "channel_mult", "its first level is as wide as the input conv")
     groups = {m.num_groups for m in model.modules() if isinstance(m, nn.GroupNorm)}
@@ -470,7 +587,7 @@ def model_fields_from_diffusers(config):
                 attn_heads=1 if head_dim is None else 0, attn_head_dim=head_dim or 0,
                 dropout=config["dropout"], num_classes=0, patch_size=1, pos_emb=False,
                 norm_groups=groups, scale_shift_norm=config["resnet_time_scale_shift"] == "scale_shift",
-                resample=resample)
+                resample=resample, mp_layers=False)
 
 
 def diffusers_state_dict(model):

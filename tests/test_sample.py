@@ -157,9 +157,11 @@ def test_the_batch_fills_the_device_and_a_cpu_samples_eagerly(run_dir, tmp_path)
     assert (run["batch"], run["compile"]) == (sampling.CPU_BATCH, "false")
 
 
-def test_bf16_weights_give_the_bits_autocast_gives():
+@pytest.mark.parametrize("mp", [False, True])
+def test_bf16_weights_give_the_bits_autocast_gives(mp):
     """The sampling network stores the conv and dense weights in bf16 where autocast would cast them at every
-    call: the outputs are the same bits as autocast over the fp32 weights."""
+    call (not the magnitude-preserving ones, which normalise float32 weights first): the outputs are the same
+    bits as autocast over the fp32 weights."""
     import argparse
 
     import torch
@@ -168,11 +170,13 @@ def test_bf16_weights_give_the_bits_autocast_gives():
     from unet import UNet
 
     torch.manual_seed(0)
-    mc = tiny_model(num_classes=4)
+    mc = tiny_model(num_classes=4, mp_layers=mp)
     model = UNet(mc).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))  # off Ho's zero-initialised last layers
+        if mp:
+            model.out_gain.fill_(1)  # and off mp's zero output gain
     z, t, y = torch.randn(3, 3, 16, 16), torch.tensor([5, 50, 99]), torch.tensor([0, 3, 4])
     with torch.no_grad():
         want = ddpm.autocast_model(model, torch.device("cpu"), "bf16")(z, t, y)
@@ -180,7 +184,8 @@ def test_bf16_weights_give_the_bits_autocast_gives():
         net, capture = sampling.sampling_network(args, model, mc, torch.device("cpu"), "bf16")
         got = net(z, t, y)
     convs = [m for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
-    assert {m.weight.dtype for m in convs} == {torch.bfloat16} == {model.time_mlp[0].weight.dtype}
+    stored = torch.float32 if mp else torch.bfloat16
+    assert {m.weight.dtype for m in convs} == {stored} == {model.time_mlp[0].weight.dtype}
     # not cast by autocast
     assert model.norm_out.weight.dtype == model.class_emb.weight.dtype == torch.float32
     assert not capture.compiled and want.abs().mean() > 0.01

@@ -1,5 +1,6 @@
 """Real training runs through the real loop, on the built-in data, on the CPU."""
 import json
+import math
 import os
 
 import pytest
@@ -42,6 +43,26 @@ def test_the_edm_levers_train_together(tmp_path):
     assert rows[-1]["loss"] < 0.85 * rows[0]["loss"]  # F's loss starts near 1 and keeps a high floor
     assert rows[-1]["lr"] == pytest.approx(2e-3 / (39 / 10) ** 0.5, rel=1e-6)
     assert "samples_0000040.png" in os.listdir(out)
+
+
+def test_the_network_levers_train_together(tmp_path):
+    """EDM2's magnitude-preserving layers with BigGAN's resampling blocks and a class label, in one real run
+    at EDM2's relative LR: it learns, and after every step each stored weight row is back at norm √fan_in."""
+    out = tmp_path / "run"
+    mc = tiny_model(mp_layers=True, resample="resblock", num_classes=4)
+    train(mc, tiny_trainer(out, max_steps=40, lr=1e-2), preset="test")
+    rows = read_metrics(out)
+    assert rows[-1]["loss"] < 0.7 * rows[0]["loss"]
+    state = torch.load(out / "ckpt.pt", map_location="cpu", weights_only=True)["model"]
+    rows_checked = 0
+    for name, w in state.items():
+        if name.endswith("weight") and w.dim() > 1:  # every conv and dense layer, and the class table
+            dims = (0,) if name.startswith("class_emb") else tuple(range(1, w.dim()))
+            size = math.prod(w.shape[d] for d in dims)
+            norms = torch.linalg.vector_norm(w.float(), dim=dims)
+            torch.testing.assert_close(norms, torch.full_like(norms, math.sqrt(size)), rtol=1e-4, atol=0)
+            rows_checked += 1
+    assert rows_checked > 20
 
 
 def test_resume_is_bitwise_identical_to_a_straight_run(tmp_path):

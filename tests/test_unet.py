@@ -1,8 +1,11 @@
 """The UNet: shapes, dtypes, patching, conditioning, attention backends, the paper's size."""
+import math
+
 import pytest
 import torch
 from conftest import tiny_model
 
+import unet
 from ddpm import ModelConfig
 from unet import UNet
 
@@ -151,7 +154,8 @@ def test_norm_groups_never_hide_the_conditioning():
         assert (model(x, torch.tensor(t), torch.tensor(y)) - base).abs().max() > 1e-3 * base.abs().max()
 
 
-@pytest.mark.parametrize("kw", [dict(num_classes=4), dict(patch_size=2, pos_emb=True, attn_resolutions=(4,))])
+@pytest.mark.parametrize("kw", [dict(num_classes=4), dict(patch_size=2, pos_emb=True, attn_resolutions=(4,)),
+                                dict(num_classes=4, pos_emb=True, mp_layers=True, resample="resblock")])
 def test_no_graph_breaks_for_torch_compile(kw):
     """One graph for the whole network: torch.compile can fuse across every layer (GroupNorm + SiLU...)."""
     import torch._dynamo
@@ -213,3 +217,76 @@ def test_cpu_dropout_keeps_1_minus_p_and_scales_like_f_dropout():
     for p in (0.3, 0.5):  # other rates, and a layout that is not NCHW
         z = dropout(torch.ones(8, 16, 8, 8).to(memory_format=torch.channels_last), p, True)
         assert abs((z == 0).float().mean().item() - p) < 0.03
+
+
+# EDM2's magnitude-preserving layers (mp_layers), against their closed forms
+
+
+def test_mp_silu_is_silus_magnitude_on_a_standard_normal():
+    from scipy import integrate
+    second_moment, _ = integrate.quad(lambda x: (x / (1 + math.exp(-x))) ** 2 * math.exp(-x * x / 2)
+                                      / math.sqrt(2 * math.pi), -40, 40)
+    assert unet.MP_SILU == pytest.approx(math.sqrt(second_moment), abs=5e-4)
+
+
+def test_mp_sum_and_mp_cat_keep_magnitude_one():
+    """Exactly, for inputs of magnitude 1: orthogonal ones for the sum, any for the concatenation (of unequal
+    widths); and the concatenation's parts keep EDM2's balance, (1-t)² : t² of the energy."""
+    torch.manual_seed(0)
+    magnitude = lambda x: x.double().square().mean().sqrt().item()  # noqa: E731
+    unit = lambda x: x / magnitude(x)  # noqa: E731
+    a, b = torch.randn(2, 8, 4, 4, dtype=torch.float64), torch.randn(2, 8, 4, 4, dtype=torch.float64)
+    b = b - (a * b).sum() / (a * a).sum() * a  # orthogonal to a
+    assert magnitude(unet.mp_sum(unit(a), unit(b), 0.3)) == pytest.approx(1, abs=1e-12)
+    c = unit(torch.randn(2, 24, 4, 4, dtype=torch.float64))
+    out = unet.mp_cat(unit(a), c, 0.3)
+    assert out.shape[1] == 32 and magnitude(out) == pytest.approx(1, abs=1e-12)
+    energy = out[:, :8].square().sum() / out.square().sum()
+    assert energy.item() == pytest.approx(0.7**2 / (0.7**2 + 0.3**2), abs=1e-12)
+
+
+def test_mp_layers_use_unit_rows_and_forced_normalisation_restores_their_norm():
+    """Each MPConv/MPDense computes with its weight rows divided by their norms (no bias), so white noise of
+    magnitude 1 comes out with magnitude 1; force_weight_norm_ puts the stored rows back to norm √fan_in."""
+    torch.manual_seed(0)
+    layer = unet.MPConv(16, 32, 3, padding=1)
+    assert layer.bias is None
+    x = torch.randn(64, 16, 24, 24)
+    w = layer.weight / layer.weight.flatten(1).norm(dim=1)[:, None, None, None]
+    torch.testing.assert_close(layer(x), torch.nn.functional.conv2d(x, w, padding=1), rtol=1e-4, atol=1e-5)
+    assert layer(x)[:, :, 1:-1, 1:-1].square().mean().sqrt().item() == pytest.approx(1, abs=0.02)
+    dense = unet.MPDense(64, 48)
+    with torch.no_grad():
+        layer.weight.mul_(torch.rand(32, 1, 1, 1) * 3)  # rows of every norm, as training leaves them
+        dense.weight.add_(1)
+    unet.force_weight_norm_(torch.nn.Sequential(layer, dense))
+    # √(16·3·3) and √64, to the 1e-4 the norm is padded with before dividing
+    torch.testing.assert_close(layer.weight.flatten(1).norm(dim=1), torch.full((32,), 12.0),
+                               rtol=1e-4, atol=0)
+    torch.testing.assert_close(dense.weight.norm(dim=1), torch.full((48,), 8.0), rtol=1e-4, atol=0)
+
+
+def test_the_mp_network_starts_at_zero_and_keeps_magnitudes_near_one():
+    """At init the output is 0 (the learned output gain starts at 0); with that gain at 1, a unit-variance
+    input keeps every block's output magnitude near 1. No layer has a bias but the GroupNorms, and it costs
+    what Ho's network costs, to the biases."""
+    from machinery import mfu
+
+    torch.manual_seed(0)
+    mc = tiny_model(mp_layers=True, num_classes=3, channel_mult=(1, 2, 2), attn_resolutions=(8, 4))
+    model = UNet(mc)
+    x, t, y = torch.randn(16, 3, 16, 16), torch.randint(0, 100, (16,)), torch.randint(0, 4, (16,))
+    assert torch.equal(model(x, t, y), torch.zeros_like(x))
+    assert all(not n.endswith("bias") or ".norm" in n or "norm_out" in n for n, _ in model.named_parameters())
+    with torch.no_grad():
+        model.out_gain.fill_(1)
+    seen = []
+    for m in model.modules():
+        if isinstance(m, (unet.ResBlock, unet.Attention)):
+            m.register_forward_hook(lambda m, i, out: seen.append(out.square().mean().sqrt().item()))
+    with torch.no_grad():
+        out = model(x, t, y)
+    assert len(seen) == 18 and all(0.6 < s < 1.4 for s in seen), seen
+    assert 0.5 < out.square().mean().sqrt().item() < 2
+    flops = [mfu.train_flops_per_image(UNet, tiny_model(mp_layers=mp)) for mp in (False, True)]
+    assert flops[1] == pytest.approx(flops[0], rel=0.01)
