@@ -891,7 +891,8 @@ def train_step(model, diffusion, opt, x0, y, precision, grad_clip, shard=(0, 1),
         opt.step()
     elif ok.item():  # unfused optimizers cannot skip on the device
         opt.step()
-    unet.force_weight_norm_(model)  # mp_layers: every weight row back to norm √fan_in (EDM2's config E)
+    if diffusion.cfg.mp_layers:  # every weight row back to norm √fan_in (EDM2's config E)
+        unet.force_weight_norm_(model)
     if scaler:
         scaler.update()  # from the overflow check unscale_ recorded: lower the scale, or grow it in time
     opt.zero_grad(set_to_none=True)
