@@ -14,6 +14,11 @@ finished so far without running any. Budget: --kimg thousand images for every ar
 change the network's cost (width, depth, patches) are compared at equal images here, and their speed is
 the other column (minutes to the end of the run, its evaluation included). Writes <out>/levers.md and
 <out>/levers.json.
+
+A run's minutes depend on what else the machine did meanwhile. --cost N measures each arm's cost per image
+side by side instead, training nothing to the end: one training iteration of each arm in turn, N times, in
+one process, so that the machine's load falls on every arm alike; each arm's median against the base's
+(<out>/cost.md and cost.json).
 """
 import argparse
 import json
@@ -28,8 +33,11 @@ import sys
 import reporting  # puts the repository root on sys.path
 from reporting import ROOT, format_summary, summary, verdict
 
+import torch
+
+import data
 import ddpm
-from machinery import runs
+from machinery import mfu, runs
 from machinery.errors import UserError, reported
 
 # the CPU study's base: Ho et al.'s network shape scaled to 2 CPU cores (2x2 patches, 3 levels, 6.5M
@@ -77,9 +85,14 @@ def parse(argv):
     p.add_argument("--out", required=True, help="the study's folder: one run folder per arm and seed")
     p.add_argument("--report", action="store_true",
                    help="run nothing: the table of the runs finished so far, and the list of those to run")
+    p.add_argument("--cost", type=int, default=0, metavar="N",
+                   help="run nothing to the end: time N training iterations of each arm, the arms in turn, "
+                        "and write each arm's cost per image against the base's (cost.md)")
     args = p.parse_args(argv)
     if not (1 <= args.seeds <= 100 and 0 < args.kimg <= 10**6):
         raise UserError("--seeds must lie in [1, 100] and --kimg in (0, 1e6]")
+    if not 0 <= args.cost <= 10**5 or (args.cost and args.report):
+        raise UserError("--cost N takes N in [1, 1e5] timed iterations per arm, and not with --report")
     arms = dict(a.partition("=")[::2] for a in args.arm) if args.arm else dict(ARMS)
     for name in arms:
         if not NAME.fullmatch(name):
@@ -161,9 +174,59 @@ def table(results, metric, kimg):
         ["arm", "flags", f"{metric} (mean ± s.d.)", "seeds", "against base", "minutes per run"], lines) + "\n"
 
 
+def cost(args, arms, warmup=2):
+    """Each arm's training cost per image, measured side by side: after `warmup` untimed iterations of each,
+    one iteration of each arm in turn (ddpm.iteration: the step's LR, train_step, the EMA; the batch's
+    gather from memory untimed), args.cost times, on random images of the base's shape, so that whatever
+    else the machine does falls on every arm alike. -> {arm: ms (median), img/s, ratio: the median over the
+    rounds of the arm's time over the base's in the same round}; writes <out>/cost.md and cost.json."""
+    built = {}
+    for name, flags in arms.items():
+        argv = [*shlex.split(args.base), *(["--data_dir=" + args.data_dir] if args.data_dir else []),
+                *shlex.split(flags)]
+        mc, tc, _ = ddpm.parse_args(argv)
+        rank, world, device = runs.distributed_setup(tc)
+        if world > 1:
+            raise UserError("--cost measures one process: run it without torchrun")
+        torch.manual_seed(tc.seed)
+        images = torch.randint(0, 256, (4 * tc.batch_size, mc.channels, mc.image_size, mc.image_size),
+                               dtype=torch.uint8)
+        labels = torch.randint(0, max(mc.num_classes, 1), (len(images),))
+        loader = data.Loader(images, labels, tc.batch_size, tc.seed, device,
+                                  with_labels=mc.num_classes > 0)
+        runs.set_up_cpu(device, tc.cpu_threads, print)
+        b = ddpm.build(mc, tc, device)
+        for step in range(warmup):  # compilation, if any, and the first allocations
+            ddpm.iteration(b, *loader.next(), tc, step)
+        built[name] = (b, tc, loader, mfu.StepTimer(device))
+    for step in range(warmup, warmup + args.cost):
+        for b, tc, loader, timer in built.values():
+            x0, y = loader.next()
+            timer.start()
+            ddpm.iteration(b, x0, y, tc, step)
+            timer.stop()
+    ms = {name: timer.read_ms() for name, (_, _, _, timer) in built.items()}
+    results = {name: {"flags": arms[name], "ms": statistics.median(v),
+                      "img_s": built[name][1].batch_size * 1e3 / statistics.median(v),
+                      "ratio": statistics.median(a / b for a, b in zip(v, ms["base"]))}
+               for name, v in ms.items()}
+    text = (f"{args.cost} timed iterations of each arm, in turn; lower is cheaper\n\n" + reporting.table(
+        ["arm", "flags", "ms per iteration (median)", "img/s", "time per image against base"],
+        [[name, f"`{r['flags'] or '(none)'}`", f"{r['ms']:.1f}", f"{r['img_s']:.1f}", f"{r['ratio']:.3f}"]
+         for name, r in results.items()]) + "\n")
+    os.makedirs(args.out, exist_ok=True)
+    reporting.write_text(os.path.join(args.out, "cost.md"), text)
+    reporting.write_json(os.path.join(args.out, "cost.json"), {"base": args.base, "iterations": args.cost,
+                                                              "arms": results})
+    print(text, end="")
+    return results
+
+
 def main(argv=None):
     with reported():
         args, arms = parse(argv)
+        if args.cost:
+            return cost(args, arms)
         metric = args.metric
         if not args.report:
             os.makedirs(args.out, exist_ok=True)

@@ -117,3 +117,52 @@ def test_the_cpu_recipe_is_the_study_base_with_its_winning_lever():
     assert tc.dataset == "cifar10" and tc.eval_fid_samples == 5000 and tc.fid_ref_images == 10_000
     assert tc.max_steps * tc.batch_size == 400_000
     assert 3 * tc.eval_every_steps < tc.max_steps < 4 * tc.eval_every_steps  # 4 points, the last at the end
+
+
+def test_cost_times_the_arms_in_turn_and_reads_each_against_the_base_round_by_round(tmp_path, capsys,
+                                                                                   monkeypatch):
+    """--cost: real iterations of each arm (ddpm.iteration), alternating, never a run to the end; the ratio is
+    the median of the per-round ratios, so a round slowed for every arm alike (the machine busy) cancels."""
+    import ddpm
+    calls, timers = [], []
+    real_iteration = ddpm.iteration
+
+    def iteration(b, x0, y, tc, step, shard=(0, 1)):
+        calls.append((b.model.cfg.base_channels, step))
+        assert x0.shape == (16, 3, 16, 16) and x0.min() >= -1 and x0.max() <= 1
+        return real_iteration(b, x0, y, tc, step, shard)
+
+    class FakeTimer:  # arm k's round r takes (k + 1) * 10 ms, 4 times that in rounds 3 and 4 (the machine busy
+        #               for all) and in round 2 for arm 1 alone: its median time is 8 times the base's, but
+        #               it takes twice the base's time in 4 rounds of 5
+        def __init__(self, device):
+            self.k, self.ms = len(timers), []
+            timers.append(self)
+
+        def start(self):
+            pass
+
+        def stop(self):
+            r = len(self.ms)
+            self.ms.append((self.k + 1) * 10.0 * (4 if r in (3, 4) or (r, self.k) == (2, 1) else 1))
+
+        def read_ms(self):
+            return self.ms
+
+    monkeypatch.setattr(ddpm, "iteration", iteration)
+    monkeypatch.setattr(levers.mfu, "StepTimer", FakeTimer)
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("--cost started a run"))
+    results = levers.main(["--base", base(tmp_path), "--arm", "wide=--base_channels=24", "--arm",
+                           "mp=--mp_layers=true", "--kimg", "1", "--cost", "5", "--out", str(tmp_path / "c")])
+    assert list(results) == ["base", "wide", "mp"]
+    # two warm-up iterations of each arm as it is built, then one of each in turn, the steps counted on
+    assert calls[:6] == [(16, 0), (16, 1), (24, 0), (24, 1), (16, 0), (16, 1)]
+    assert calls[6:] == [(w, s) for s in range(2, 7) for w in (16, 24, 16)]
+    assert [results[a]["ratio"] for a in results] == [1.0, 2.0, 3.0]
+    assert results["wide"]["ms"] == 80.0 and results["wide"]["img_s"] == 16 * 1e3 / 80.0
+    text = (tmp_path / "c" / "cost.md").read_text()
+    assert "| wide | `--base_channels=24` | 80.0 | 200.0 | 2.000 |" in text and text == capsys.readouterr().out
+    assert json.loads((tmp_path / "c" / "cost.json").read_text())["arms"] == json.loads(json.dumps(results))
+    err = one_line_error(capsys, levers.main, ["--base", base(tmp_path), "--kimg", "1", "--cost", "5",
+                                               "--report", "--out", str(tmp_path / "d")])
+    assert "not with --report" in err and not os.path.exists(tmp_path / "d")
