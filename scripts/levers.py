@@ -192,8 +192,7 @@ def cost(args, arms, warmup=2):
         images = torch.randint(0, 256, (4 * tc.batch_size, mc.channels, mc.image_size, mc.image_size),
                                dtype=torch.uint8)
         labels = torch.randint(0, max(mc.num_classes, 1), (len(images),))
-        loader = data.Loader(images, labels, tc.batch_size, tc.seed, device,
-                                  with_labels=mc.num_classes > 0)
+        loader = data.Loader(images, labels, tc.batch_size, tc.seed, device, with_labels=mc.num_classes > 0)
         runs.set_up_cpu(device, tc.cpu_threads, print)
         b = ddpm.build(mc, tc, device)
         for step in range(warmup):  # compilation, if any, and the first allocations
@@ -216,8 +215,8 @@ def cost(args, arms, warmup=2):
          for name, r in results.items()]) + "\n")
     os.makedirs(args.out, exist_ok=True)
     reporting.write_text(os.path.join(args.out, "cost.md"), text)
-    reporting.write_json(os.path.join(args.out, "cost.json"), {"base": args.base, "iterations": args.cost,
-                                                              "arms": results})
+    reporting.write_json(os.path.join(args.out, "cost.json"),
+                         {"base": args.base, "iterations": args.cost, "arms": results})
     print(text, end="")
     return results
 

@@ -119,8 +119,7 @@ def test_the_cpu_recipe_is_the_study_base_with_its_winning_lever():
     assert 3 * tc.eval_every_steps < tc.max_steps < 4 * tc.eval_every_steps  # 4 points, the last at the end
 
 
-def test_cost_times_the_arms_in_turn_and_reads_each_against_the_base_round_by_round(tmp_path, capsys,
-                                                                                   monkeypatch):
+def test_cost_times_the_arms_in_turn_and_reads_each_against_the_base_by_round(tmp_path, capsys, monkeypatch):
     """--cost: real iterations of each arm (ddpm.iteration), alternating, never a run to the end; the ratio is
     the median of the per-round ratios, so a round slowed for every arm alike (the machine busy) cancels."""
     import ddpm
@@ -132,9 +131,10 @@ def test_cost_times_the_arms_in_turn_and_reads_each_against_the_base_round_by_ro
         assert x0.shape == (16, 3, 16, 16) and x0.min() >= -1 and x0.max() <= 1
         return real_iteration(b, x0, y, tc, step, shard)
 
-    class FakeTimer:  # arm k's round r takes (k + 1) * 10 ms, 4 times that in rounds 3 and 4 (the machine busy
-        #               for all) and in round 2 for arm 1 alone: its median time is 8 times the base's, but
-        #               it takes twice the base's time in 4 rounds of 5
+    # arm k's round r takes (k + 1) * 10 ms, 4 times that in rounds 3 and 4 (the machine busy for all) and
+    # in round 2 for arm 1 alone: its median time is 8 times the base's, but it takes twice the base's time
+    # in 4 rounds of 5
+    class FakeTimer:
         def __init__(self, device):
             self.k, self.ms = len(timers), []
             timers.append(self)
@@ -161,7 +161,8 @@ def test_cost_times_the_arms_in_turn_and_reads_each_against_the_base_round_by_ro
     assert [results[a]["ratio"] for a in results] == [1.0, 2.0, 3.0]
     assert results["wide"]["ms"] == 80.0 and results["wide"]["img_s"] == 16 * 1e3 / 80.0
     text = (tmp_path / "c" / "cost.md").read_text()
-    assert "| wide | `--base_channels=24` | 80.0 | 200.0 | 2.000 |" in text and text == capsys.readouterr().out
+    assert "| wide | `--base_channels=24` | 80.0 | 200.0 | 2.000 |" in text
+    assert text == capsys.readouterr().out
     assert json.loads((tmp_path / "c" / "cost.json").read_text())["arms"] == json.loads(json.dumps(results))
     err = one_line_error(capsys, levers.main, ["--base", base(tmp_path), "--kimg", "1", "--cost", "5",
                                                "--report", "--out", str(tmp_path / "d")])
