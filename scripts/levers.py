@@ -109,10 +109,15 @@ def parse(argv):
     return args, arms
 
 
+def arm_argv(args, flags):
+    """An arm's ddpm.py flags: the base's, the study's --data_dir, then the arm's own."""
+    return [*shlex.split(args.base), *(["--data_dir=" + args.data_dir] if args.data_dir else []),
+            *shlex.split(flags)]
+
+
 def run_argv(args, flags, seed, out_dir):
     """-> (ddpm.py's arguments for one run, its last step): the budget in steps of the arm's batch."""
-    argv = [*shlex.split(args.base), *(["--data_dir=" + args.data_dir] if args.data_dir else []),
-            *shlex.split(flags)]
+    argv = arm_argv(args, flags)
     batch = ddpm.parse_args(argv)[1].batch_size
     steps = max(1, round(args.kimg * 1000 / batch))
     metric = ["--eval_bpd_images=0"] if args.metric == "fid" else ["--eval_fid_samples=0"]
@@ -182,9 +187,7 @@ def cost(args, arms, warmup=2):
     rounds of the arm's time over the base's in the same round}; writes <out>/cost.md and cost.json."""
     built = {}
     for name, flags in arms.items():
-        argv = [*shlex.split(args.base), *(["--data_dir=" + args.data_dir] if args.data_dir else []),
-                *shlex.split(flags)]
-        mc, tc, _ = ddpm.parse_args(argv)
+        mc, tc, _ = ddpm.parse_args(arm_argv(args, flags))
         rank, world, device = runs.distributed_setup(tc)
         if world > 1:
             raise UserError("--cost measures one process: run it without torchrun")
@@ -205,9 +208,10 @@ def cost(args, arms, warmup=2):
             ddpm.iteration(b, x0, y, tc, step)
             timer.stop()
     ms = {name: timer.read_ms() for name, (_, _, _, timer) in built.items()}
-    results = {name: {"flags": arms[name], "ms": statistics.median(v),
+    per_image = {name: [t / built[name][1].batch_size for t in v] for name, v in ms.items()}  # an arm may
+    results = {name: {"flags": arms[name], "ms": statistics.median(v),                    # change the batch
                       "img_s": built[name][1].batch_size * 1e3 / statistics.median(v),
-                      "ratio": statistics.median(a / b for a, b in zip(v, ms["base"]))}
+                      "ratio": statistics.median(a / b for a, b in zip(per_image[name], per_image["base"]))}
                for name, v in ms.items()}
     text = (f"{args.cost} timed iterations of each arm, in turn; lower is cheaper\n\n" + reporting.table(
         ["arm", "flags", "ms per iteration (median)", "img/s", "time per image against base"],
