@@ -208,8 +208,8 @@ def cost(args, arms, warmup=2):
             ddpm.iteration(b, x0, y, tc, step)
             timer.stop()
     ms = {name: timer.read_ms() for name, (_, _, _, timer) in built.items()}
-    per_image = {name: [t / built[name][1].batch_size for t in v] for name, v in ms.items()}  # an arm may
-    results = {name: {"flags": arms[name], "ms": statistics.median(v),                    # change the batch
+    per_image = {name: [t / built[name][1].batch_size for t in v] for name, v in ms.items()}  # batches differ
+    results = {name: {"flags": arms[name], "ms": statistics.median(v),
                       "img_s": built[name][1].batch_size * 1e3 / statistics.median(v),
                       "ratio": statistics.median(a / b for a, b in zip(per_image[name], per_image["base"]))}
                for name, v in ms.items()}
